@@ -1,0 +1,172 @@
+"""The `llmaas` command line.
+
+`llmaas generate` runs one prompt through the engine in this process; `llmaas chat` is an interactive
+multi-turn conversation on one context. Generated text goes to stdout, everything else to stderr, so
+the output can be piped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _engine(args):
+    from engine.config import EngineConfig
+    from engine.context import ContextEngine
+
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_context_tokens=args.max_context)
+    t0 = time.perf_counter()
+    engine = ContextEngine.load(args.model, cfg)
+    if args.verbose:
+        print(f"llmaas: model loaded in {time.perf_counter() - t0:.2f} s on {engine.model.device}", file=sys.stderr)
+    return engine
+
+
+def _sampling(args) -> dict:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": tuple(args.stop or ()),
+    }
+
+
+def _check_sampling(args) -> None:
+    """Fail on bad sampling arguments before spending seconds on loading the model."""
+    from engine.sampling import SamplingParams
+
+    SamplingParams(**_sampling(args))
+
+
+def cmd_generate(args) -> int:
+    _check_sampling(args)
+    engine = _engine(args)
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+    if args.chat:
+        stream = engine.stream(engine.new_ctx(args.system), args.prompt, **_sampling(args))
+    else:
+        stream = engine.complete(args.prompt, **_sampling(args))
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = stream.result
+    if args.verbose and r is not None:
+        print(
+            f"llmaas: {r.completion_tokens} tokens, finish={r.finish_reason}, ttft {r.ttft_s * 1000:.0f} ms, "
+            f"{r.completion_tokens / max(r.total_s - r.ttft_s, 1e-9):.1f} tok/s decode",
+            file=sys.stderr,
+        )
+    return 0
+
+
+CHAT_HELP = """commands: /reset (new context), /stats (context size and timings), /exit (or Ctrl-D)"""
+
+
+def cmd_chat(args) -> int:
+    _check_sampling(args)
+    engine = _engine(args)
+    ctx = engine.new_ctx(args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"llmaas chat on {engine.model.device}. {CHAT_HELP}", file=sys.stderr)
+    last = None
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        prompt = line.rstrip("\n")
+        if not prompt.strip():
+            continue
+        if prompt.strip() in ("/exit", "/quit"):
+            break
+        if prompt.strip() == "/reset":
+            engine.delete_ctx(ctx)
+            ctx = engine.new_ctx(args.system)
+            print("(new context)", file=sys.stderr)
+            continue
+        if prompt.strip() == "/stats":
+            print(
+                f"context {ctx.id}: {len(ctx.token_ids)} tokens, {ctx.cache.n_chunks} chunks, "
+                f"{ctx.prefilled_tokens} prefilled in total, {ctx.overflows} overflows"
+                + (f"; last reply {last.completion_tokens} tokens, ttft {last.ttft_s * 1000:.0f} ms" if last else ""),
+                file=sys.stderr,
+            )
+            continue
+        if prompt.startswith("/"):
+            print(f"unknown command {prompt.split()[0]}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        stream = engine.stream(ctx, prompt, **_sampling(args))
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        last = stream.result
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
+                   help="GGUF file or Hugging Face checkpoint directory (Llama, Qwen2); default: the embedded "
+                        "SmolLM2-135M-Instruct (env LLMAAS_MODEL)")
+    p.add_argument("--device", default="auto", help="torch device: auto (cuda if present, else cpu), cpu, cuda, cuda:1")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--max-context", type=int, default=0, metavar="TOKENS",
+                   help="context length before overflow handling (default: the model's maximum)")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens per reply (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt (chat)")
+    p.add_argument("-v", "--verbose", action="store_true", help="timings on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmaas",
+        description="LLM context service for edge devices: chunked KV cache, compression, swapping, recompute.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    g = sub.add_parser("generate", help="generate text for one prompt, print it to stdout",
+                       description="Generate text for one prompt. Only the generated text goes to stdout.")
+    g.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    g.add_argument("--chat", action="store_true", help="format the prompt as one user turn with the chat template")
+    _add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive multi-turn chat on one context",
+                       description="Interactive multi-turn chat on one context; one line per user turn. " + CHAT_HELP)
+    _add_model_args(c)
+    c.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from engine.loader import ModelNotFoundError
+    from engine.sampling import BadRequestError
+
+    try:
+        return args.func(args)
+    except (BadRequestError, ModelNotFoundError) as e:
+        print(f"llmaas: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Configuration dataclasses for the transformer engine.
+
+`ModelConfig` describes a Llama-family architecture (Llama, SmolLM, Qwen2) as read from a Hugging Face
+`config.json`; `EngineConfig` says where and how the engine runs it. Neither knows about files, Ray or
+tokenization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    """Rotary base frequency."""
+    kind: str = "default"
+    """One of `default`, `linear`, `llama3`."""
+    factor: float = 1.0
+    """Position scaling factor (`linear`, `llama3`)."""
+    low_freq_factor: float = 1.0
+    """`llama3` only."""
+    high_freq_factor: float = 4.0
+    """`llama3` only."""
+    original_max_positions: int = 8192
+    """`llama3` only: context length the base model was trained with, in tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_type: str
+    """Hugging Face `model_type` (`llama`, `qwen2`, `mistral`)."""
+    vocab_size: int
+    """Number of token ids."""
+    hidden_size: int
+    """Residual stream width."""
+    intermediate_size: int
+    """SwiGLU inner width."""
+    n_layers: int
+    """Transformer blocks."""
+    n_heads: int
+    """Query heads."""
+    n_kv_heads: int
+    """Key/value heads (grouped-query attention when fewer than `n_heads`)."""
+    head_dim: int
+    """Width of one head."""
+    rms_norm_eps: float
+    """RMSNorm epsilon."""
+    rope: RopeConfig
+    """Rotary embedding parameters."""
+    max_positions: int
+    """Longest sequence the model was trained for, in tokens."""
+    tie_embeddings: bool
+    """LM head shares the input embedding matrix."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence id, if the model has one."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Ids that end generation."""
+    group: int = field(init=False)
+    """Query heads per KV head (derived)."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        object.__setattr__(self, "group", self.n_heads // self.n_kv_heads)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers, per byte of element size."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Read a Hugging Face `config.json` dict (transformers 4.x or 5.x spelling)."""
+        n_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rp = dict(cfg.get("rope_parameters") or {})
+        scaling = cfg.get("rope_scaling") or {}
+        rp.update({k: v for k, v in scaling.items() if v is not None})
+        theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = rp.get("rope_type", rp.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope type {kind!r}; supported: default, linear, llama3")
+        rope = RopeConfig(
+            theta=float(theta),
+            kind=kind,
+            factor=float(rp.get("factor", 1.0)),
+            low_freq_factor=float(rp.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rp.get("high_freq_factor", 4.0)),
+            original_max_positions=int(rp.get("original_max_position_embeddings", 8192)),
+        )
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=cfg.get("model_type", "llama"),
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or hidden // n_heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=rope,
+            max_positions=int(cfg.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    device: str = "auto"
+    """torch device string; `auto` picks `cuda` when available, else `cpu`."""
+    dtype: str = "auto"
+    """Compute dtype: `float32`, `bfloat16`, `float16`; `auto` is float32 on CPU, bfloat16 on CUDA."""
+    chunk_tokens: int = 16
+    """Tokens per KV chunk."""
+    max_context_tokens: int = 0
+    """Longest context before overflow handling, in tokens; 0 means the model's `max_positions`."""
+    overflow_keep_fraction: float = 0.75
+    """On overflow keep the first chunk plus the newest chunks up to this fraction of the limit."""
+    attention_block_rows: int = 0
+    """Query rows per attention block in prefill; 0 sizes blocks to keep scores under 32 MiB."""
+    threads: int = 0
+    """torch intra-op threads; 0 leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be >= 1")
+        if not 0.0 < self.overflow_keep_fraction < 1.0:
+            raise ValueError("overflow_keep_fraction must be in (0, 1)")
+        if self.max_context_tokens < 0:
+            raise ValueError("max_context_tokens must be >= 0")
+
+
+def resolve_device_dtype(cfg: EngineConfig):
+    """Return (torch.device, torch.dtype) for `cfg`, resolving `auto` against what this machine has."""
+    import torch
+
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if cfg.dtype == "auto":
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif cfg.dtype in names:
+        dtype = names[cfg.dtype]
+    else:
+        raise ValueError(f"unknown dtype {cfg.dtype!r}; valid: auto, {', '.join(names)}")
+    return dev, dtype
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return ceil_div(a, b) * b
+
+
+__all__ = ["ModelConfig", "RopeConfig", "EngineConfig", "resolve_device_dtype", "ceil_div", "round_up"]

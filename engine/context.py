@@ -1,0 +1,274 @@
+"""Contexts in one process: the LLMS Table 1 interface (`new_ctx`, `call`, `delete_ctx`) over the engine.
+
+A context owns its token ids (the source of truth), its conversation turns, a KV working buffer and the
+information density of its tokens. A call appends one user turn (rendered with the model's chat
+template), prefills only the ids whose K/V are not computed yet, and decodes a reply. When a context
+would pass its maximum length, the first chunk (the attention sink) and the newest chunks up to
+`overflow_keep_fraction` of the limit are kept and re-prefilled as a fresh sequence, so that positions
+stay consistent and recompute stays exact.
+
+Memory management (which chunks stay resident, compression, swapping) is not done here: the memory
+governor drives `KVCache` and `Transformer.recompute*` directly.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from engine.chat import ChatTokenizer, Conversation, Turn
+from engine.config import EngineConfig, round_up
+from engine.density import DensityTracker
+from engine.kvcache import KVCache
+from engine.model import Transformer
+from engine.sampling import BadRequestError, SamplingParams, find_stop, holdback, sample
+
+
+class PromptTooLongError(BadRequestError):
+    code = "prompt_too_long"
+
+
+class UnknownContextError(KeyError):
+    code = "not_found"
+
+
+@dataclass(slots=True)
+class Context:
+    id: str
+    system_prompt: str | None
+    token_ids: list[int]
+    """Every token of the context, including ids not prefilled yet (the tail past `cache.length`)."""
+    conv: Conversation
+    cache: KVCache
+    density: DensityTracker
+    prefilled_tokens: int = 0
+    """Tokens this context ran through prefill or decode (a second call prefills only new tokens)."""
+    overflows: int = 0
+    """Times the context was cut back to its sink and newest chunks."""
+    created: float = field(default_factory=time.time)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.cache.length
+
+
+@dataclass(slots=True)
+class CallResult:
+    text: str
+    """The reply as shown to a user (stop string and special tokens excluded)."""
+    token_ids: list[int]
+    """Generated ids, EOS included when the model ended the reply."""
+    finish_reason: str
+    """`stop` (EOS or a stop string) or `length` (max_tokens)."""
+    prompt_tokens: int
+    """Ids the user turn added."""
+    prefilled_tokens: int
+    """Ids prefilled for this call before decoding (pending ids from earlier turns included)."""
+    cached_tokens: int
+    """Ids whose K/V were reused from before the call."""
+    completion_tokens: int
+    ttft_s: float
+    """Seconds from the call's start to the first generated token."""
+    total_s: float
+
+
+class CallStream:
+    """Iterates over text deltas of a reply; `result` is set once iteration ends."""
+
+    def __init__(self, gen: Iterator[str]) -> None:
+        self._gen = gen
+        self.result: CallResult | None = None
+
+    def __iter__(self):
+        self.result = yield from self._gen
+        return self.result
+
+
+class ContextEngine:
+    def __init__(self, model: Transformer, tokenizer: ChatTokenizer, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.tok = tokenizer
+        self.cfg = config or model.engine_cfg
+        self.limit = min(self.cfg.max_context_tokens or model.cfg.max_positions, model.cfg.max_positions)
+        self.eos_ids = set(model.cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.contexts: dict[str, Context] = {}
+        self.fingerprint = ""
+        """Identity of the loaded weights (see `engine.loader.ResolvedModel`)."""
+
+    @classmethod
+    def load(cls, model_path=None, config: EngineConfig | None = None, *, progress: bool = True) -> "ContextEngine":
+        """Load a model (the embedded default when `model_path` is None) with its tokenizer."""
+        from engine.loader import resolve_model
+
+        resolved = resolve_model(model_path, progress=progress)
+        model = Transformer.from_directory(resolved.directory, config)
+        engine = cls(model, ChatTokenizer(resolved.directory), config)
+        engine.fingerprint = resolved.fingerprint
+        model.warmup()
+        return engine
+
+    # ---- LLMS Table 1 ------------------------------------------------------------------------------
+    def new_ctx(self, system_prompt: str | None = None) -> Context:
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise BadRequestError("system_prompt must be a string")
+        conv = Conversation([Turn("system", system_prompt)] if system_prompt is not None else [])
+        ids = self.tok.system_ids(system_prompt)
+        if len(ids) > self._tail_room():
+            raise PromptTooLongError(f"system prompt of {len(ids)} tokens exceeds the context limit")
+        ctx = Context(
+            id=secrets.token_hex(16),
+            system_prompt=system_prompt,
+            token_ids=ids,
+            conv=conv,
+            cache=self.model.new_cache(round_up(len(ids) + 256, self.cfg.chunk_tokens)),
+            density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
+        )
+        self.contexts[ctx.id] = ctx
+        return ctx
+
+    def get(self, ctx_id: str) -> Context:
+        try:
+            return self.contexts[ctx_id]
+        except KeyError:
+            raise UnknownContextError(ctx_id) from None
+
+    def delete_ctx(self, ctx: Context | str) -> None:
+        ctx_id = ctx if isinstance(ctx, str) else ctx.id
+        if self.contexts.pop(ctx_id, None) is None:
+            raise UnknownContextError(ctx_id)
+
+    def call(self, ctx: Context, prompt: str, **params) -> CallResult:
+        stream = self.stream(ctx, prompt, **params)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(self, ctx: Context, prompt: str, **params) -> CallStream:
+        """Start a call; iterate the returned stream for text deltas. Arguments are checked here, before
+        anything in the context changes."""
+        if not isinstance(prompt, str):
+            raise BadRequestError("prompt must be a string")
+        sp = SamplingParams(**params)
+        new_ids = self.tok.user_turn_ids(ctx.conv, prompt)
+        if len(new_ids) + 1 > self._tail_room():
+            raise PromptTooLongError(
+                f"prompt of {len(new_ids)} tokens does not fit the context limit of {self.limit} tokens"
+            )
+        return CallStream(self._run(ctx, prompt, new_ids, sp))
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _tail_room(self) -> int:
+        """Most tokens a fresh turn may take: what overflow keeps, less the sink chunk."""
+        return int(self.limit * self.cfg.overflow_keep_fraction) - self.cfg.chunk_tokens
+
+    def _step(self, ctx: Context) -> torch.Tensor:
+        """Prefill every pending id of `ctx` (overflowing first if needed); logits of the last one."""
+        if len(ctx.token_ids) > self.limit:
+            self._overflow(ctx)
+        pending = ctx.token_ids[ctx.cache.length :]
+        start = ctx.cache.length
+        acc = torch.zeros(start + len(pending), dtype=torch.float32, device=self.model.device)
+        logits = self.model.forward(ctx.cache, pending, density=acc)
+        ctx.density.add(start, len(pending), acc.cpu().numpy())
+        ctx.prefilled_tokens += len(pending)
+        return logits
+
+    def _overflow(self, ctx: Context) -> None:
+        c = self.cfg.chunk_tokens
+        keep = int(self.limit * self.cfg.overflow_keep_fraction)
+        ids = ctx.token_ids
+        tail_start = round_up(max(c, len(ids) - (keep - c)), c)  # newest whole chunks
+        ctx.token_ids = ids[:c] + ids[tail_start:]
+        ctx.cache = self.model.new_cache(round_up(len(ctx.token_ids) + 256, c))
+        ctx.density.reset()
+        ctx.overflows += 1
+
+    def _run(self, ctx: Context, prompt: str, new_ids: list[int], sp: SamplingParams):
+        t0 = time.perf_counter()
+        cached = ctx.cache.length
+        ctx.conv.turns.append(Turn("user", prompt))
+        ctx.token_ids.extend(new_ids)
+        prefilled = len(ctx.token_ids) - cached
+        out, text, finish, ttft = yield from self._decode(ctx, sp, t0)
+        closing = self.tok.reply_closing_ids(ctx.conv)
+        if closing and out[-1] in self.eos_ids and closing[0] == out[-1]:
+            closing = closing[1:]
+        ctx.token_ids.extend(closing)  # prefilled with the next turn
+        ctx.conv.turns.append(Turn("assistant", text, list(out)))
+        return CallResult(
+            text=text,
+            token_ids=out,
+            finish_reason=finish,
+            prompt_tokens=len(new_ids),
+            prefilled_tokens=prefilled,
+            cached_tokens=cached,
+            completion_tokens=len(out),
+            ttft_s=ttft,
+            total_s=time.perf_counter() - t0,
+        )
+
+    def complete(self, prompt: str, **params) -> CallStream:
+        """Plain completion of `prompt` (no chat template) in a throwaway context."""
+        if not isinstance(prompt, str) or not prompt:
+            raise BadRequestError("prompt must be a non-empty string")
+        sp = SamplingParams(**params)
+        ids = self.tok.encode_document(prompt)
+        if len(ids) + 1 > self._tail_room():
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit the context limit of {self.limit} tokens")
+        ctx = Context(
+            id="",
+            system_prompt=None,
+            token_ids=list(ids),
+            conv=Conversation(),
+            cache=self.model.new_cache(round_up(len(ids) + sp.max_tokens, self.cfg.chunk_tokens)),
+            density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
+        )
+
+        def run():
+            t0 = time.perf_counter()
+            out, text, finish, ttft = yield from self._decode(ctx, sp, t0)
+            return CallResult(text, out, finish, len(ids), len(ids), 0, len(out), ttft, time.perf_counter() - t0)
+
+        return CallStream(run())
+
+    def _decode(self, ctx: Context, sp: SamplingParams, t0: float):
+        """Prefill what is pending and decode a reply, yielding text deltas; returns
+        (generated ids, text, finish reason, seconds to first token)."""
+        gen = sp.generator(self.model.device)
+        out: list[int] = []
+        emitted = 0
+        finish = "length"
+        ttft = 0.0
+        text = ""
+        logits = self._step(ctx)
+        while True:
+            tok = sample(logits, sp, gen)
+            if not out:
+                ttft = time.perf_counter() - t0
+            out.append(tok)
+            ctx.token_ids.append(tok)
+            text = self.tok.decode_reply(out)
+            if tok in self.eos_ids:
+                finish = "stop"
+                break
+            cut = find_stop(text, sp.stop) if sp.stop else -1
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                break
+            if len(out) >= sp.max_tokens:
+                break
+            safe = len(text) - holdback(text, sp.stop)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            logits = self._step(ctx)
+        if len(text) > emitted:
+            yield text[emitted:]
+        return out, text, finish, ttft

@@ -1,0 +1,149 @@
+"""A context's K/V working buffer, addressed in fixed-size chunks.
+
+K and V live in two contiguous tensors `[L, Hkv, capacity, D]` so attention reads one strided view per
+layer; the slot of a token is its position in the context. The buffer is divided into chunks of
+`chunk_tokens` slots. A chunk can be exported as a numpy array `[L, 2, Hkv, T, D]` (the layout the storage
+codecs use), dropped, and put back, whole or one layer at a time.
+
+Invariant: attention only ever reads slots `< length` of chunks that are present. Dropped chunks are
+filled with NaN so that a read of missing K/V poisons the output instead of passing silently.
+
+This module knows nothing about tokens, compression or files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig, ceil_div, round_up
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        chunk_tokens: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        capacity: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.chunk_tokens = chunk_tokens
+        self.device = device
+        self.dtype = dtype
+        cap = round_up(max(capacity, chunk_tokens), chunk_tokens)
+        shape = (cfg.n_layers, cfg.n_kv_heads, cap, cfg.head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)  # k: [L, Hkv, cap, D]
+        self.v = torch.empty(shape, device=device, dtype=dtype)  # v: [L, Hkv, cap, D]
+        self.length = 0
+        """Slots in use (tokens of the context with K/V here or missing), in tokens."""
+        self.missing: set[int] = set()
+        """Chunk indices whose slots hold no valid K/V."""
+
+    # ---- geometry -------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def n_chunks(self) -> int:
+        return ceil_div(self.length, self.chunk_tokens)
+
+    def chunk_range(self, i: int) -> tuple[int, int]:
+        """Token range [start, end) of chunk `i`; the last chunk may be partial."""
+        if not 0 <= i < self.n_chunks:
+            raise IndexError(f"chunk {i} out of range (context has {self.n_chunks} chunks)")
+        s = i * self.chunk_tokens
+        return s, min(s + self.chunk_tokens, self.length)
+
+    def nbytes(self) -> int:
+        """Bytes of the buffer as allocated (both K and V)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def ensure_capacity(self, n_tokens: int) -> None:
+        """Grow (by doubling, in whole chunks) so that `n_tokens` slots fit."""
+        if n_tokens <= self.capacity:
+            return
+        cap = round_up(max(n_tokens, 2 * self.capacity), self.chunk_tokens)
+        shape = (self.cfg.n_layers, self.cfg.n_kv_heads, cap, self.cfg.head_dim)
+        k = torch.empty(shape, device=self.device, dtype=self.dtype)
+        v = torch.empty(shape, device=self.device, dtype=self.dtype)
+        k[:, :, : self.length].copy_(self.k[:, :, : self.length])
+        v[:, :, : self.length].copy_(self.v[:, :, : self.length])
+        self.k, self.v = k, v
+
+    def reserve(self, n_tokens: int) -> int:
+        """Extend `length` by `n_tokens` slots (to be written by a forward pass); return the first slot."""
+        start = self.length
+        self.ensure_capacity(start + n_tokens)
+        self.length = start + n_tokens
+        return start
+
+    def truncate(self, n_tokens: int) -> None:
+        """Forget slots from `n_tokens` on (e.g. after a failed forward)."""
+        self.length = min(self.length, n_tokens)
+        self.missing = {i for i in self.missing if i < self.n_chunks}
+
+    # ---- chunk moves --------------------------------------------------------------------------
+    def export_chunk(self, i: int) -> np.ndarray:
+        """A copy of chunk `i` as `[L, 2, Hkv, T, D]` in the compute dtype (bf16 as a uint16 view)."""
+        self._check_present(i)
+        s, e = self.chunk_range(i)
+        kv = torch.stack((self.k[:, :, s:e], self.v[:, :, s:e]), dim=1)  # [L, 2, Hkv, T, D]
+        return _to_numpy(kv)
+
+    def export_chunk_layer(self, i: int, layer: int) -> np.ndarray:
+        """A copy of one layer of chunk `i` as `[2, Hkv, T, D]`."""
+        self._check_present(i)
+        s, e = self.chunk_range(i)
+        return _to_numpy(torch.stack((self.k[layer, :, s:e], self.v[layer, :, s:e])))
+
+    def drop_chunk(self, i: int) -> None:
+        """Mark chunk `i` missing and poison its slots."""
+        s, e = self.chunk_range(i)
+        self.k[:, :, s:e] = float("nan")
+        self.v[:, :, s:e] = float("nan")
+        self.missing.add(i)
+
+    def put_chunk(self, i: int, kv: np.ndarray | torch.Tensor) -> None:
+        """Write chunk `i` from `[L, 2, Hkv, T, D]` and mark it present."""
+        s, e = self.chunk_range(i)
+        t = self._as_tensor(kv, (self.cfg.n_layers, 2, self.cfg.n_kv_heads, e - s, self.cfg.head_dim))
+        self.k[:, :, s:e].copy_(t[:, 0])
+        self.v[:, :, s:e].copy_(t[:, 1])
+        self.missing.discard(i)
+
+    def put_chunk_layer(self, i: int, layer: int, kv: np.ndarray | torch.Tensor) -> None:
+        """Write one layer `[2, Hkv, T, D]` of chunk `i`; the chunk stays missing until `mark_present`."""
+        s, e = self.chunk_range(i)
+        t = self._as_tensor(kv, (2, self.cfg.n_kv_heads, e - s, self.cfg.head_dim))
+        self.k[layer, :, s:e].copy_(t[0])
+        self.v[layer, :, s:e].copy_(t[1])
+
+    def mark_present(self, chunks) -> None:
+        self.missing.difference_update(chunks)
+
+    def _check_present(self, i: int) -> None:
+        if i in self.missing:
+            raise KeyError(f"chunk {i} is missing; restore it before exporting")
+
+    def _as_tensor(self, kv, shape) -> torch.Tensor:
+        if isinstance(kv, np.ndarray):
+            if kv.dtype == np.uint16 and self.dtype == torch.bfloat16:
+                t = torch.from_numpy(kv).view(torch.bfloat16)
+            else:
+                t = torch.from_numpy(kv)
+        else:
+            t = kv
+        if tuple(t.shape) != shape:
+            raise ValueError(f"chunk shape {tuple(t.shape)} does not match expected {shape}")
+        return t
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.uint16)
+    return t.cpu().numpy()

@@ -1,0 +1,341 @@
+"""The transformer forward pass, written here: Llama-family decoder (Llama, SmolLM, Qwen2) over a chunked
+KV cache.
+
+Pieces: RMSNorm, rotary embedding at arbitrary (global) positions, grouped-query attention against the
+context's K/V with a causal mask expressed in positions, SwiGLU MLP, tied or untied LM head. Every
+forward is a list of query rows at given positions; prefill, decode and recompute of interleaved chunks
+(LLMS §3.3, Fig. 7) are all that one operation with different rows:
+
+- prefill/decode: the new tokens, at the end of the context; their attention row sums are accumulated
+  as information density (LLMS Eq. 1), blockwise so no full attention matrix is ever held;
+- recompute: the tokens of the missing chunks, at their own positions; density is left untouched.
+
+`recompute_layer` is the per-layer step a recompute worker drives while later layers are still being
+loaded. The engine knows nothing about tokenization, chat templates, files or Ray.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
+from engine.kvcache import KVCache
+
+SCORE_BUDGET_BYTES = 4 << 20  # attention scores per block in prefill: sized to stay in L2 (measured: 48 ms
+# per layer at 2048 tokens with 32-64 row blocks against 85 ms with 512-row blocks on this 2-core Xeon)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
+    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D] (Qwen2) or None
+    wo: torch.Tensor  # [hidden, Hq D]
+    bo: torch.Tensor | None  # [hidden] or None
+    mlp_norm: torch.Tensor  # [hidden]
+    w_gate_up: torch.Tensor  # [2 I, hidden]
+    w_down: torch.Tensor  # [hidden, I]
+
+
+@dataclass(slots=True)
+class Weights:
+    embed: torch.Tensor  # [V, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [V, hidden]; the same tensor as `embed` when tied
+
+
+@dataclass(slots=True)
+class RecomputeJob:
+    """State of an in-progress recompute: the hidden states of the missing rows between layers."""
+
+    chunks: list[int]
+    """Chunk indices being recomputed, ascending."""
+    x: torch.Tensor  # [m, hidden]: hidden states of the missing rows entering `next_layer`
+    pos: torch.Tensor  # [m] positions (== slots) of the missing rows, ascending
+    next_layer: int = 0
+
+
+def load_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, device, dtype) -> Weights:
+    """Build engine weights from Hugging Face parameter names (numpy arrays, e.g. an mmap)."""
+
+    def get(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"checkpoint lacks tensor {name!r}")
+        a = tensors[name]
+        with warnings.catch_warnings():  # read-only mmap: torch warns, we never write to it
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
+        if a.dtype == np.uint16:
+            t = t.view(torch.bfloat16)
+        return t.to(device=device, dtype=dtype)
+
+    def opt(name: str) -> torch.Tensor | None:
+        return get(name) if name in tensors else None
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+        biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+        bqkv = torch.cat(biases) if all(b is not None for b in biases) else None
+        layers.append(
+            LayerWeights(
+                attn_norm=get(p + "input_layernorm.weight"),
+                wqkv=torch.cat((q, k, v)),
+                bqkv=bqkv,
+                wo=get(p + "self_attn.o_proj.weight"),
+                bo=opt(p + "self_attn.o_proj.bias"),
+                mlp_norm=get(p + "post_attention_layernorm.weight"),
+                w_gate_up=torch.cat((get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"))),
+                w_down=get(p + "mlp.down_proj.weight"),
+            )
+        )
+    embed = get("model.embed_tokens.weight")
+    if cfg.tie_embeddings or "lm_head.weight" not in tensors:
+        lm_head = embed
+    else:
+        lm_head = get("lm_head.weight")
+    return Weights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)
+
+
+def rope_tables(cfg: ModelConfig, n_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables `[n_positions, D]` in float32 (half-rotation layout, as Hugging Face Llama)."""
+    r = cfg.rope
+    d = cfg.head_dim
+    inv = 1.0 / (r.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
+    if r.kind == "linear":
+        inv = inv / r.factor
+    elif r.kind == "llama3":
+        low_wl = r.original_max_positions / r.low_freq_factor
+        high_wl = r.original_max_positions / r.high_freq_factor
+        wl = 2 * math.pi / inv
+        smooth = (r.original_max_positions / wl - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+        scaled = torch.where(wl > low_wl, inv / r.factor, inv)
+        mid = (wl <= low_wl) & (wl >= high_wl)
+        inv = torch.where(mid, (1 - smooth) * inv / r.factor + smooth * inv, scaled)
+    t = torch.arange(n_positions, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv)  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [n, H, D]; cos, sin: [n, 1, D]
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Transformer:
+    """A decoder-only transformer with its weights, running forward passes against `KVCache`s."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, engine_cfg: EngineConfig | None = None) -> None:
+        self.cfg = cfg
+        self.engine_cfg = engine_cfg or EngineConfig()
+        self.device, self.dtype = resolve_device_dtype(self.engine_cfg)
+        self.w = weights
+        n_pos = max(cfg.max_positions, self.engine_cfg.max_context_tokens)
+        cos, sin = rope_tables(cfg, n_pos, self.device)
+        self.cos = cos.to(self.dtype)  # [P, D]
+        self.sin = sin.to(self.dtype)  # [P, D]
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.forward_rows = 0
+        """Query rows computed by `forward` (prefill and decode), a counter for tests and metrics."""
+        self.recomputed_rows = 0
+        """Query rows computed by recompute."""
+
+    @classmethod
+    def from_directory(cls, directory: str | Path, engine_cfg: EngineConfig | None = None) -> "Transformer":
+        import json
+
+        from engine.loader import read_safetensors
+
+        engine_cfg = engine_cfg or EngineConfig()
+        if engine_cfg.threads:
+            torch.set_num_threads(engine_cfg.threads)
+        cfg = ModelConfig.from_hf(json.loads((Path(directory) / "config.json").read_text()))
+        device, dtype = resolve_device_dtype(engine_cfg)
+        weights = load_weights(read_safetensors(Path(directory)), cfg, device, dtype)
+        return cls(cfg, weights, engine_cfg)
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        return KVCache(
+            self.cfg,
+            chunk_tokens=self.engine_cfg.chunk_tokens,
+            device=self.device,
+            dtype=self.dtype,
+            capacity=capacity,
+        )
+
+    def warmup(self) -> None:
+        """Run a short throwaway forward so the first real call does not pay for kernel setup."""
+        cache = self.new_cache(64)
+        self.forward(cache, [0] * 48, density=torch.zeros(48, device=self.device))
+        self.forward(cache, [0], density=torch.zeros(49, device=self.device))
+        self.forward_rows -= 49
+
+    # ---- prefill / decode -------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        cache: KVCache,
+        token_ids,
+        *,
+        density: torch.Tensor | None = None,
+        all_logits: bool = False,
+        sdpa: bool = False,
+    ) -> torch.Tensor:
+        """Append `token_ids` to the context in `cache` and return logits.
+
+        Returns `[V]` for the last row, or `[n, V]` with `all_logits`. When `density` (a float32 tensor
+        with at least `cache.length + n` entries) is given, the attention each key receives from the new
+        rows, summed over heads and layers, is added into it. `sdpa` uses torch's fused attention instead
+        (no density; for measuring what density costs). Requires every chunk to be present.
+        """
+        if cache.missing:
+            raise RuntimeError(f"forward over a context with missing chunks {sorted(cache.missing)}")
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
+        n = ids.numel()
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        start = cache.reserve(n)
+        if start + n > self.cos.shape[0]:
+            cache.truncate(start)
+            raise ValueError(f"position {start + n} beyond the model's {self.cos.shape[0]} positions")
+        pos = torch.arange(start, start + n, device=self.device)
+        try:
+            x = self.w.embed[ids]  # [n, hidden]
+            for layer in range(self.cfg.n_layers):
+                x = self._layer(layer, x, pos, cache, contiguous=True, density=density, sdpa=sdpa)
+        except BaseException:
+            cache.truncate(start)
+            raise
+        self.forward_rows += n
+        if not all_logits:
+            x = x[-1:]
+        logits = F.linear(rms_norm(x, self.w.norm, self.cfg.rms_norm_eps), self.w.lm_head).float()
+        return logits if all_logits else logits[0]
+
+    # ---- recompute (LLMS Fig. 7) -------------------------------------------------------------------
+    @torch.no_grad()
+    def recompute_start(self, cache: KVCache, token_ids, chunks) -> RecomputeJob:
+        """Begin recomputing `chunks` of `cache` from the context's full `token_ids`."""
+        chunks = sorted(set(chunks))
+        if not chunks:
+            raise ValueError("nothing to recompute")
+        if len(token_ids) < cache.length:
+            raise ValueError(f"{len(token_ids)} token ids for a context of {cache.length} slots")
+        rows = [torch.arange(*cache.chunk_range(i)) for i in chunks]
+        pos = torch.cat(rows).to(self.device)
+        ids = torch.as_tensor(np.asarray(token_ids)[pos.cpu().numpy()], dtype=torch.long, device=self.device)
+        return RecomputeJob(chunks=chunks, x=self.w.embed[ids], pos=pos)
+
+    @torch.no_grad()
+    def recompute_layer(self, cache: KVCache, job: RecomputeJob, layer: int) -> None:
+        """Recompute layer `layer` of the job's chunks.
+
+        Needs, for this layer, the K/V of every present chunk up to the last recomputed position (loaded
+        chunks may arrive layer by layer with `KVCache.put_chunk_layer`). Layers run in order.
+        """
+        if layer != job.next_layer:
+            raise RuntimeError(f"recompute layer {layer} out of order (expected {job.next_layer})")
+        job.x = self._layer(layer, job.x, job.pos, cache, contiguous=False, density=None, sdpa=False)
+        job.next_layer += 1
+        if job.next_layer == self.cfg.n_layers:
+            self.recomputed_rows += job.pos.numel()
+            cache.mark_present(job.chunks)
+
+    def recompute(self, cache: KVCache, token_ids, chunks) -> None:
+        """Recompute `chunks` through all layers, exactly (global positions, causal mask)."""
+        job = self.recompute_start(cache, token_ids, chunks)
+        for layer in range(self.cfg.n_layers):
+            self.recompute_layer(cache, job, layer)
+
+    # ---- one layer -------------------------------------------------------------------------------
+    def _layer(self, layer, x, pos, cache, *, contiguous, density, sdpa):
+        cfg, w = self.cfg, self.w.layers[layer]
+        n = x.shape[0]
+        hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, w.wqkv, w.bqkv)  # [n, (Hq + 2 Hkv) D]
+        v = qkv[:, (hq + hkv) * d :]
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [n, 1, D]
+        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)  # [n, Hq + Hkv, D]
+        q, k = qk[:, :hq], qk[:, hq:]  # [n, Hq, D], [n, Hkv, D]
+        v = v.view(n, hkv, d)
+        if contiguous:
+            s = int(pos[0])
+            cache.k[layer, :, s : s + n] = k.transpose(0, 1)
+            cache.v[layer, :, s : s + n] = v.transpose(0, 1)
+        else:
+            cache.k[layer].index_copy_(1, pos, k.transpose(0, 1))
+            cache.v[layer].index_copy_(1, pos, v.transpose(0, 1))
+        if sdpa:
+            attn = self._attend_sdpa(layer, q, pos, cache)
+        else:
+            attn = self._attend(layer, q, pos, cache, density)
+        x = x + F.linear(attn, w.wo, w.bo)
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [n, I] each
+        return x + F.linear(F.silu(gate) * up, w.w_down)
+
+    def _attend(self, layer, q, pos, cache, density) -> torch.Tensor:
+        """Attention of rows `q` `[n, Hq, D]` at ascending positions `pos` over the cache; `[n, Hq D]`.
+
+        Query rows are processed in blocks small enough for the scores to stay in L2. Within a block,
+        keys before the block's first position are visible to every row, so only the columns from there
+        on need a mask; for prefill that is a `b x b` triangle.
+        """
+        cfg = self.cfg
+        n, hkv, g, d = q.shape[0], cfg.n_kv_heads, cfg.group, cfg.head_dim
+        qg = (q * self.scale).view(n, hkv, g, d).transpose(0, 1).contiguous()  # [Hkv, n, G, D]
+        s_all = int(pos[-1]) + 1
+        keys = cache.k[layer, :, :s_all]  # [Hkv, S, D]
+        vals = cache.v[layer, :, :s_all]  # [Hkv, S, D]
+        rows = self.engine_cfg.attention_block_rows or max(16, SCORE_BUDGET_BYTES // (4 * cfg.n_heads * s_all))
+        out = torch.empty(hkv, n, g, d, device=q.device, dtype=q.dtype)  # [Hkv, n, G, D]
+        pos_list = pos.tolist()
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            b = r1 - r0
+            p0, sb = pos_list[r0], pos_list[r1 - 1] + 1
+            qb = qg[:, r0:r1].reshape(hkv, b * g, d)  # [Hkv, b G, D], rows ordered (b, g)
+            scores = torch.bmm(qb, keys[:, :sb].transpose(1, 2))  # [Hkv, b G, Sb]
+            if b > 1:
+                kpos = torch.arange(p0, sb, device=q.device)
+                masked = kpos.unsqueeze(0) > pos[r0:r1].unsqueeze(1)  # [b, Sb - p0]
+                tail = scores.view(hkv, b, g, sb)[..., p0:]  # [Hkv, b, G, Sb - p0]
+                tail.masked_fill_(masked.unsqueeze(1), float("-inf"))
+            p = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [Hkv, b G, Sb]
+            if density is not None:
+                density[:sb] += p.sum(dim=(0, 1))
+            ob = torch.bmm(p.to(vals.dtype), vals[:, :sb])  # [Hkv, b G, D]
+            out[:, r0:r1] = ob.view(hkv, b, g, d)
+        return out.transpose(0, 1).reshape(n, cfg.n_heads * d)
+
+    def _attend_sdpa(self, layer, q, pos, cache) -> torch.Tensor:
+        cfg = self.cfg
+        n = q.shape[0]
+        s_all = int(pos[-1]) + 1
+        keys = cache.k[layer, :, :s_all].unsqueeze(0)  # [1, Hkv, S, D]
+        vals = cache.v[layer, :, :s_all].unsqueeze(0)
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        mask = None
+        if n > 1:
+            mask = torch.arange(s_all, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [n, S]
+        o = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask, enable_gqa=True)  # [1, Hq, n, D]
+        return o[0].transpose(0, 1).reshape(n, cfg.n_heads * cfg.head_dim)

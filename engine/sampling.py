@@ -1,0 +1,89 @@
+"""Next-token choice: greedy, temperature, top-p, seeded; plus the checks that end a reply.
+
+Pure functions over a logits vector; the engine owns the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_STOP_STRINGS = 16
+
+
+class BadRequestError(ValueError):
+    """A caller passed an invalid argument; `code` is stable for the HTTP edge."""
+
+    code = "invalid_request"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    """Most tokens to generate in one reply."""
+    temperature: float = 0.0
+    """0 is greedy; otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    seed: int | None = None
+    """Seed for sampling; None draws from the OS."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the reply; the reply text excludes them."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise BadRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (0.0 <= float(self.temperature) <= 100.0):
+            raise BadRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise BadRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise BadRequestError(f"seed must be a non-negative integer, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in stop):
+            raise BadRequestError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
+        object.__setattr__(self, "stop", stop)
+
+    def generator(self, device) -> torch.Generator | None:
+        if self.temperature == 0:
+            return None
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose one token id from `logits` `[V]`."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of strictly better tokens
+        sorted_p[before >= params.top_p] = 0.0  # keeps the token that crosses top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def find_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Index where the earliest stop string begins in `text`, or -1."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def holdback(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of `text` to withhold from a stream: the longest suffix that could
+    begin a stop string, and an incomplete UTF-8 sequence (decoded as U+FFFD)."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if s.startswith(text[-k:]):
+                n = max(n, k)
+                break
+    if text.endswith("\ufffd"):
+        n = max(n, len(text) - len(text.rstrip("\ufffd")))
+    return n

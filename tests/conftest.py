@@ -1,0 +1,62 @@
+"""Session-wide fixtures: the default model is loaded once per test session (engine and, as the oracle,
+Hugging Face transformers over the same de-quantized weights)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def resolved_model():
+    from engine.loader import resolve_model
+
+    return resolve_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def engine(resolved_model):
+    """The in-process context engine on the default model (float32, CPU unless CUDA is present)."""
+    from engine.chat import ChatTokenizer
+    from engine.context import ContextEngine
+    from engine.model import Transformer
+
+    model = Transformer.from_directory(resolved_model.directory)
+    return ContextEngine(model, ChatTokenizer(resolved_model.directory))
+
+
+@pytest.fixture(scope="session")
+def hf_model(resolved_model, engine):
+    """transformers' Llama on the same weights, as the correctness oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(resolved_model.directory), dtype=torch.float32)
+    return m.to(engine.model.device).eval()
+
+
+SAMPLE_TEXT = (
+    "The Python reference manual describes the syntax and core semantics of the language. It is terse, "
+    "but attempts to be exact and complete. The semantics of non-essential built-in object types and of "
+    "the built-in functions and modules are described in the library reference. For an informal "
+    "introduction to the language, see the tutorial. For C or C++ programmers, two additional manuals "
+    "exist: extending and embedding describes how to write extension modules, and the API reference "
+    "describes the interfaces available to extension writers in detail."
+)
+
+
+@pytest.fixture(scope="session")
+def real_kv(engine):
+    """Real K/V of the default model over a real English passage: float32 `[L, 2, Hkv, T, D]`, T = 96."""
+    import numpy as np
+
+    ids = engine.tok.encode_document(SAMPLE_TEXT)[:96]
+    assert len(ids) == 96
+    cache = engine.model.new_cache(96)
+    engine.model.forward(cache, ids)
+    kv = np.concatenate([cache.export_chunk(i) for i in range(cache.n_chunks)], axis=3)
+    return np.ascontiguousarray(kv, dtype=np.float32)

@@ -1,0 +1,53 @@
+"""The `llmaas` command line, run as a user runs it (a subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+PROMPT = "What is the capital of Italy?"
+
+
+def run(*args, stdin=None, timeout=120):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_help_lists_commands():
+    r = run("--help")
+    assert r.returncode == 0
+    assert "generate" in r.stdout and "chat" in r.stdout
+    r = run("generate", "--help")
+    assert "--max-tokens" in r.stdout and "--top-p" in r.stdout and "--model" in r.stdout
+
+
+def test_generate_prints_only_the_greedy_reply(engine):
+    expected = engine.call(engine.new_ctx(), PROMPT, max_tokens=12).text
+    r = run("generate", "--chat", "--prompt", PROMPT, "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+
+
+def test_chat_repl_keeps_one_context(engine):
+    ctx = engine.new_ctx()
+    first = engine.call(ctx, "My name is Ann.", max_tokens=10).text
+    second = engine.call(ctx, "What is my name?", max_tokens=10).text
+    r = run("chat", "--max-tokens", "10", stdin="My name is Ann.\nWhat is my name?\n/stats\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [first, second]
+    assert "tokens" in r.stderr  # /stats goes to stderr
+
+
+def test_bad_arguments_fail_clearly():
+    r = run("generate", "--prompt", "x", "--top-p", "3")
+    assert r.returncode == 2 and "top_p" in r.stderr and r.stdout == ""
+    r = run("generate", "--prompt", "x", "--model", "/nonexistent/model.gguf")
+    assert r.returncode == 2 and "does not exist" in r.stderr

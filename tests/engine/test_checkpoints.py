@@ -1,0 +1,105 @@
+"""Local Hugging Face checkpoints other than the default: Qwen2 (q/k/v biases) and an untied Llama with
+Llama 3 rope scaling, built here from random weights with transformers and saved as safetensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import ModelNotFoundError, resolve_model
+from engine.model import Transformer
+
+SMALL = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def build(tmp_path, kind):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        cfg = Qwen2Config(**SMALL, tie_word_embeddings=True, rope_theta=10000.0)
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        cfg = LlamaConfig(
+            **SMALL,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        )
+        model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # random init leaves biases at zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    d = tmp_path / kind
+    model.eval().save_pretrained(d)
+    return d, model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama3-untied"])
+def test_local_checkpoint_matches_transformers(tmp_path, kind):
+    d, ref_model = build(tmp_path, kind)
+    resolved = resolve_model(d)
+    assert resolved.directory == d and len(resolved.fingerprint) == 32
+    m = Transformer.from_directory(d, EngineConfig(device="cpu"))
+    if kind == "qwen2":
+        assert m.w.layers[0].bqkv is not None
+    else:
+        assert m.w.lm_head is not m.w.embed and m.cfg.rope.kind == "llama3"
+    ids = torch.randint(0, 300, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    cache = m.new_cache(90)
+    got = m.forward(cache, ids, all_logits=True)
+    assert (got - ref).abs().max().item() < 1e-4
+    k0 = cache.k[:, :, :90].clone()
+    cache.drop_chunk(1)
+    cache.drop_chunk(4)
+    m.recompute(cache, ids, [1, 4])
+    assert (cache.k[:, :, :90] - k0).abs().max().item() < 1e-5
+
+
+def test_bad_model_paths_are_clear_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model(tmp_path / "nope")
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve_model(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="gguf"):
+        resolve_model(tmp_path / "weights.bin")
+
+
+def test_unsupported_architecture_is_refused():
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        ModelConfig.from_hf(
+            {"model_type": "gpt2", "vocab_size": 1, "hidden_size": 8, "intermediate_size": 8,
+             "num_hidden_layers": 1, "num_attention_heads": 1}
+        )
+
+
+def test_default_model_conversion_is_cached(resolved_model, monkeypatch):
+    """A second start reads the converted cache: the GGUF is not de-quantized again."""
+    import engine.loader as loader
+
+    def boom(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(loader, "_convert_gguf", boom)
+    again = resolve_model()
+    assert again.directory == resolved_model.directory
+    assert (again.directory / "model.safetensors").is_file()

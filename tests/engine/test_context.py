@@ -1,0 +1,165 @@
+"""Contexts (LLMS Table 1): multi-turn calls, incremental prefill, overflow, information density."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.context import ContextEngine, PromptTooLongError, UnknownContextError
+from engine.sampling import BadRequestError
+
+TURNS = ["Hello! Please name a color.", "Now name a fruit of that color.", "Say both again, in one line."]
+
+
+def test_three_calls_match_template_and_transformers(engine, hf_model):
+    ctx = engine.new_ctx("You are a helpful assistant.")
+    for i, prompt in enumerate(TURNS):
+        pending_before = len(ctx.token_ids) - ctx.cache.length
+        computed_before = ctx.prefilled_tokens
+        r = engine.call(ctx, prompt, max_tokens=24)
+        assert r.text and r.completion_tokens == len(r.token_ids) <= 24
+        # only the new tokens were prefilled: pending ids plus the new user turn
+        assert r.prefilled_tokens == pending_before + r.prompt_tokens
+        assert r.cached_tokens == ctx.cache.length - r.prefilled_tokens - (r.completion_tokens - 1)
+        assert ctx.prefilled_tokens - computed_before == r.prefilled_tokens + r.completion_tokens - 1
+        if i == 0:
+            assert r.cached_tokens == 0
+        else:
+            assert r.cached_tokens > 0 and r.prefilled_tokens < len(ctx.token_ids) // 2
+    expected = engine.tok.conversation_ids(ctx.conv)
+    assert ctx.token_ids == expected
+    seq = ctx.token_ids
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([seq], device=engine.model.device)).logits[0].float()
+    got = engine.model.forward(engine.model.new_cache(len(seq)), seq, all_logits=True)
+    assert (got - ref).abs().max().item() < 1e-3
+    # the context's own KV equals a fresh prefill of the same ids
+    fresh = engine.model.new_cache(len(seq))
+    engine.model.forward(fresh, seq[: ctx.cache.length])
+    assert (fresh.k[:, :, : ctx.cache.length] - ctx.cache.k[:, :, : ctx.cache.length]).abs().max() < 1e-4
+    engine.delete_ctx(ctx)
+    with pytest.raises(UnknownContextError):
+        engine.get(ctx.id)
+
+
+def test_greedy_call_is_deterministic_and_sampling_is_seeded(engine):
+    a, b = engine.new_ctx(), engine.new_ctx()
+    assert engine.call(a, "Tell me a fact about owls.", max_tokens=12).token_ids == engine.call(
+        b, "Tell me a fact about owls.", max_tokens=12
+    ).token_ids
+    runs = [
+        engine.call(engine.new_ctx(), "Invent a word.", max_tokens=10, temperature=1.2, top_p=0.95, seed=s).token_ids
+        for s in (1, 1, 2)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_stop_strings_max_tokens_and_streaming(engine):
+    ctx = engine.new_ctx()
+    full = engine.call(engine.new_ctx(), "Count from 1 to 20, separated by commas.", max_tokens=40)
+    assert "5" in full.text
+    stream = engine.stream(ctx, "Count from 1 to 20, separated by commas.", max_tokens=40, stop=["5"])
+    deltas = list(stream)
+    r = stream.result
+    assert "".join(deltas) == r.text
+    assert r.finish_reason == "stop" and "5" not in r.text
+    assert full.text.startswith(r.text)
+    short = engine.call(engine.new_ctx(), "Write a long story.", max_tokens=3)
+    assert short.finish_reason == "length" and short.completion_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": -5},
+        {"max_tokens": 2.5},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"seed": -1},
+        {"stop": [""]},
+    ],
+)
+def test_bad_parameters_are_rejected_before_anything_changes(engine, params):
+    ctx = engine.new_ctx()
+    before = list(ctx.token_ids)
+    with pytest.raises(BadRequestError):
+        engine.stream(ctx, "hi", **params)
+    assert ctx.token_ids == before and not ctx.conv.turns
+
+
+def test_overflow_keeps_sink_and_newest_chunks(resolved_model, engine):
+    small = ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=128))
+    ctx = small.new_ctx()
+    prompts = ["Describe the ocean in detail.", "Describe mountains in detail.", "Describe deserts in detail."]
+    sink = None
+    for p in prompts:
+        small.call(ctx, p, max_tokens=40)
+        sink = sink or ctx.token_ids[:16]
+        assert ctx.cache.length <= 128
+    assert ctx.overflows >= 1
+    # after overflow the first chunk is still the context's original first chunk (the attention sink)
+    assert ctx.token_ids[:16] == sink
+    assert len(ctx.token_ids) <= 128
+    # the kept sequence's KV equals a fresh prefill of the same ids (positions consistent)
+    n = ctx.cache.length
+    fresh = engine.model.new_cache(n)
+    engine.model.forward(fresh, ctx.token_ids[:n])
+    assert (fresh.k[:, :, :n] - ctx.cache.k[:, :, :n]).abs().max() < 1e-4
+    # and recompute of chunks there stays exact
+    k0 = ctx.cache.k[:, :, :n].clone()
+    for i in (0, 2):
+        ctx.cache.drop_chunk(i)
+    engine.model.recompute(ctx.cache, ctx.token_ids, [0, 2])
+    assert (ctx.cache.k[:, :, :n] - k0).abs().max() < 1e-4
+    with pytest.raises(PromptTooLongError):
+        small.stream(ctx, "word " * 200)
+
+
+def test_overflow_tail_selection(engine):
+    small = ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=64))
+    ctx = small.new_ctx()
+    ctx.token_ids = list(range(1000, 1070))  # 70 ids, over the limit of 64
+    small._overflow(ctx)
+    # first chunk + newest whole chunks, at most 75% of the limit (48 tokens)
+    assert ctx.token_ids[:16] == list(range(1000, 1016))
+    assert ctx.token_ids[16:] == list(range(1048, 1070))
+    assert len(ctx.token_ids) <= 48
+
+
+def naive_density(hf_eager, seq, n_heads, n_layers):
+    """Eq. 1 with full attention matrices: mean over rows >= col, heads and layers."""
+    with torch.inference_mode():
+        att = hf_eager(torch.tensor([seq]), output_attentions=True).attentions  # L x [1, H, S, S]
+    a = torch.stack([x[0].double() for x in att])  # [L, H, S, S]
+    col = a.sum(dim=(0, 1, 2))  # summed over layers, heads, rows
+    s = len(seq)
+    rows = torch.arange(s, 0, -1, dtype=torch.float64)  # rows at or after each column
+    return (col / rows / (n_heads * n_layers)).numpy()
+
+
+def test_density_matches_naive_full_matrix(resolved_model, engine):
+    from transformers import AutoModelForCausalLM
+
+    hf_eager = AutoModelForCausalLM.from_pretrained(
+        str(resolved_model.directory), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ctx = engine.new_ctx()
+    engine.call(ctx, "Explain what a hash table is.", max_tokens=8)
+    engine.call(ctx, "And a linked list?", max_tokens=8)  # density is a running sum across calls
+    n = ctx.cache.length
+    assert len(ctx.density) == n
+    ref = naive_density(hf_eager, ctx.token_ids[:n], engine.model.cfg.n_heads, engine.model.cfg.n_layers)
+    got = ctx.density.token_density()
+    assert np.allclose(got, ref, rtol=1e-4, atol=1e-6), np.abs(got - ref).max()
+    chunks = ctx.density.chunk_density(16)
+    assert np.allclose(chunks[0], ref[:16].mean()) and len(chunks) == -(-n // 16)
+    # recompute never updates density
+    before = ctx.density.sums.copy()
+    ctx.cache.drop_chunk(1)
+    engine.model.recompute(ctx.cache, ctx.token_ids, [1])
+    assert np.array_equal(ctx.density.sums, before)
