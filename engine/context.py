@@ -76,6 +76,35 @@ class CallResult:
     total_s: float
 
 
+@dataclass(slots=True)
+class _Snapshot:
+    """What a call may change in a context, to put back if the call does not complete."""
+
+    token_ids: list[int]
+    n_turns: int
+    cache: KVCache
+    cache_length: int
+    density: tuple
+    overflows: int
+    prefilled_tokens: int
+
+    @classmethod
+    def take(cls, ctx: "Context") -> "_Snapshot":
+        return cls(
+            list(ctx.token_ids), len(ctx.conv.turns), ctx.cache, ctx.cache.length,
+            (ctx.density.sums.copy(), ctx.density.rows.copy()), ctx.overflows, ctx.prefilled_tokens,
+        )
+
+    def restore(self, ctx: "Context") -> None:
+        ctx.token_ids = self.token_ids
+        del ctx.conv.turns[self.n_turns :]
+        ctx.cache = self.cache
+        ctx.cache.truncate(self.cache_length)
+        ctx.density.sums, ctx.density.rows = self.density
+        ctx.overflows = self.overflows
+        ctx.prefilled_tokens = self.prefilled_tokens
+
+
 class CallStream:
     """Iterates over text deltas of a reply; `result` is set once iteration ends."""
 
@@ -193,10 +222,16 @@ class ContextEngine:
     def _run(self, ctx: Context, prompt: str, new_ids: list[int], sp: SamplingParams):
         t0 = time.perf_counter()
         cached = ctx.cache.length
-        ctx.conv.turns.append(Turn("user", prompt))
-        ctx.token_ids.extend(new_ids)
-        prefilled = len(ctx.token_ids) - cached
-        out, text, finish, ttft = yield from self._decode(ctx, sp, t0)
+        saved = _Snapshot.take(ctx)
+        try:
+            ctx.conv.turns.append(Turn("user", prompt))
+            ctx.token_ids.extend(new_ids)
+            prefilled = len(ctx.token_ids) - cached
+            out, text, finish, ttft = yield from self._decode(ctx, sp, t0)
+        except BaseException:
+            # a failed or abandoned call (error, client gone, generator closed) leaves no half turn
+            saved.restore(ctx)
+            raise
         closing = self.tok.reply_closing_ids(ctx.conv)
         if closing and out[-1] in self.eos_ids and closing[0] == out[-1]:
             closing = closing[1:]

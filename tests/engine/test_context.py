@@ -163,3 +163,19 @@ def test_density_matches_naive_full_matrix(resolved_model, engine):
     ctx.cache.drop_chunk(1)
     engine.model.recompute(ctx.cache, ctx.token_ids, [1])
     assert np.array_equal(ctx.density.sums, before)
+
+
+def test_abandoned_stream_leaves_the_context_as_it_was(engine):
+    ctx = engine.new_ctx()
+    engine.call(ctx, "Name a bird.", max_tokens=8)
+    before = (list(ctx.token_ids), len(ctx.conv.turns), ctx.cache.length, ctx.density.sums.copy())
+    stream = iter(engine.stream(ctx, "Write a long poem about the sea.", max_tokens=50))
+    next(stream)
+    next(stream)
+    stream.close()  # the client went away mid-reply
+    assert ctx.token_ids == before[0] and len(ctx.conv.turns) == before[1]
+    assert ctx.cache.length == before[2] and np.array_equal(ctx.density.sums, before[3])
+    # the context still works and gives what an undisturbed twin gives
+    twin = engine.new_ctx()
+    engine.call(twin, "Name a bird.", max_tokens=8)
+    assert engine.call(ctx, "Name a fish.", max_tokens=8).token_ids == engine.call(twin, "Name a fish.", max_tokens=8).token_ids
