@@ -1,0 +1,289 @@
+"""Tolerance-aware compression planner (LLMS §3.2, Eq. 1-3): which level each chunk of a context gets.
+
+Input is one context's per-chunk information densities ``D`` (Eq. 1, measured by the engine; one per
+chunk, chunk order), each chunk's current level, and whether the last chunk is partial. Output is a
+:class:`CompressionPlan`: a level per chunk and the chunks whose level changes. The caller quantizes
+and writes those chunks; this module never touches KV data.
+
+Tolerance mode (``llms``). Chunks are ranked by density, highest first; ties keep chunk order (a
+stable sort, so the earlier chunk ranks higher). With levels ``w = 0..m-1`` heaviest first (default
+q8, q4, q2, i.e. ratios 8/8, 4/8, 2/8), thresholds ``0 <= t1 <= ... <= t_{m-1} <= n`` cut the ranking:
+ranks ``[0, t1)`` target ``levels[0]``, ``[t1, t2)`` target ``levels[1]``, the rest the last level
+(Eq. 2). The thresholds maximise the density-weighted fidelity
+
+    ctxInfo = sum_i ratio(level_i) * D_i     subject to     mean_i ratio(level_i) <= ratio_global
+
+by exact enumeration of every threshold tuple: per level a cumulative sum over the ranking gives
+each segment's fidelity and ratio in O(1), so all ``(n+1)^(m-1)`` tuples (O(n^2) for three levels,
+263k for n = 512) are scored with a few broadcast numpy operations.
+
+Why ``ratio_w`` and not ``1/ratio_w``: the paper's Eq. 3 weights by ``1/ratio_w``; with
+``ratio_w = bits/8`` that rewards putting the *densest* chunks at 2 bits, the opposite of the
+paper's own intent (dense chunks are the least tolerant). We weight by ``ratio_w`` (fidelity kept),
+as the issue states. The paper's constraint is an equality; we use ``<=`` (an exact fit rarely
+exists, and spending less memory for the same fidelity is never worse).
+
+Levels never rise except by recompute: a chunk already at q4 can stay q4 or drop to q2 but never
+return to q8; ``raw``/``fp16``/``bf16`` count as above q8. So a chunk targeted at level ``w`` ends at
+the lighter of ``levels[w]`` and its current level, and the enumeration scores exactly that (the
+current level's ratio is used when it is the lighter). A new chunk (current ``None``) is ``raw``.
+
+The last chunk, when partial, stays at its current level (``raw`` for a chunk still being written)
+and is excluded from the ranking and the budget: it is still growing and will be planned once full.
+
+Budget infeasible (``ratio_global`` below the lightest reachable mean, e.g. 0.2 with q2 = 0.25): the
+plan puts every chunk at its lightest allowed level, the least mean ratio there is, and says
+``feasible=False``. Ties between threshold tuples (equal fidelity up to rounding): the lower mean
+ratio wins, then the lexicographically smallest thresholds, so plans are deterministic.
+
+Static mode (baselines): every chunk at one level (``q8`` for ``vllm-sq`` and ``llms-no-compress``,
+``raw`` for lossless), still never rising. Mode ``none`` is static ``raw``.
+
+This module deliberately knows nothing about codecs, bytes on disk, files or when to compress: it
+maps densities and current levels to a plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler import levels as L
+from scheduler.errors import UnknownCompressionModeError
+from scheduler.keys import count
+
+#: upper bound on scored threshold tuples ((n+1)^(m-1)); 3 levels: up to 1023 chunks (16K tokens)
+MAX_GRID = 1 << 20
+#: slack when comparing a mean ratio to the global ratio (ratios are dyadic: sums are exact)
+_RATIO_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionConfig:
+    """How a context's chunk levels are chosen (one per policy; see ``scheduler.policies``)."""
+
+    mode: str = "tolerance"
+    """a key of :data:`MODES`: ``tolerance`` (LLMS), ``static`` (one level), ``none`` (static raw)"""
+    global_ratio: float = 0.5
+    """tolerance mode: bound on the mean ratio (nominal bits / 8) over a context's full chunks"""
+    levels: tuple[str, ...] = L.DEFAULT_PLAN_LEVELS
+    """tolerance mode: the levels a chunk may get, strictly heaviest first"""
+    static_level: str = "raw"
+    """static mode: the one level every chunk gets (unless already lighter)"""
+    dtype: str = "float32"
+    """compute dtype name; only gives ``raw`` its nominal bits (32 for float32)"""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UnknownCompressionModeError("compression mode", self.mode, MODES)
+        if not (np.isfinite(self.global_ratio) and self.global_ratio > 0):
+            raise ValueError(f"global_ratio must be a finite number > 0, got {self.global_ratio!r}")
+        object.__setattr__(self, "levels", L.check_plan_levels(self.levels))
+        L.check_level(self.static_level)
+        L.nominal_bits("raw", self.dtype)  # validates dtype
+
+
+@dataclass(frozen=True, slots=True)
+class CompressionPlan:
+    """A level for every chunk of one context, and what it costs and keeps."""
+
+    levels: tuple[str, ...]
+    """level per chunk, chunk order, including a partial last chunk"""
+    changed: tuple[int, ...]
+    """chunk indices whose level differs from the current one (``None`` counts as ``raw``): the
+    caller re-quantizes and rewrites exactly these"""
+    thresholds: tuple[int, ...]
+    """rank cut points ``(t1, ..., t_{m-1})`` chosen (ranks ``[0, t1)`` target the heaviest level);
+    ``()`` in static mode"""
+    objective: float
+    """density-weighted fidelity ``sum ratio(level_i) * D_i`` over budgeted chunks (density units)"""
+    mean_ratio: float
+    """mean ratio (nominal bits / 8) over budgeted chunks; 0.0 when there are none"""
+    global_ratio: float | None
+    """the bound planned under; ``None`` in static mode"""
+    feasible: bool
+    """``mean_ratio <= global_ratio``; False only when no threshold tuple meets it (always True in
+    static mode)"""
+    n_budget: int
+    """chunks counted in the ranking and the budget (all but a partial last one)"""
+    mode: str
+    """the mode that made the plan (a key of :data:`MODES`)"""
+
+
+def _as_densities(densities: Sequence[float] | np.ndarray) -> np.ndarray:
+    d = np.asarray(densities, dtype=np.float64)
+    if d.ndim != 1:
+        raise ValueError(f"densities must be 1-D (one per chunk), got shape {d.shape}")
+    if not np.all(np.isfinite(d)) or np.any(d < 0):
+        raise ValueError("densities must be finite and >= 0")
+    return d
+
+
+def _as_current(current: Sequence[str | None] | None, n: int) -> list[str]:
+    if current is None:
+        return ["raw"] * n
+    cur = ["raw" if c is None else L.check_level(c) for c in current]
+    if len(cur) != n:
+        raise ValueError(f"{len(cur)} current levels for {n} chunks")
+    return cur
+
+
+def _budget_count(n: int, partial_last: bool) -> int:
+    if partial_last and n == 0:
+        raise ValueError("partial_last=True needs at least one chunk")
+    return n - 1 if partial_last else n
+
+
+def evaluate(levels: Sequence[str], densities: Sequence[float] | np.ndarray, *,
+             partial_last: bool = False, dtype: str = "float32") -> tuple[float, float]:
+    """``(objective, mean_ratio)`` of a level assignment, over budgeted chunks (see module docs)."""
+    d = _as_densities(densities)
+    if len(levels) != len(d):
+        raise ValueError(f"{len(levels)} levels for {len(d)} densities")
+    nb = _budget_count(len(d), partial_last)
+    r = np.array([L.ratio(lv, dtype) for lv in levels[:nb]], dtype=np.float64)
+    return float(r @ d[:nb]), (float(r.mean()) if nb else 0.0)
+
+
+def _finish(mode: str, out: list[str], cur: list[str], d: np.ndarray, nb: int,
+            thresholds: tuple[int, ...], global_ratio: float | None, feasible: bool,
+            dtype: str) -> CompressionPlan:
+    objective, mean_ratio = evaluate(out, d, partial_last=nb < len(d), dtype=dtype)
+    changed = tuple(i for i, (a, b) in enumerate(zip(out, cur)) if a != b)
+    return CompressionPlan(tuple(out), changed, thresholds, objective, mean_ratio, global_ratio,
+                           feasible, nb, mode)
+
+
+def _best_thresholds(d: np.ndarray, eff: np.ndarray, budget: float
+                     ) -> tuple[tuple[int, ...], bool]:
+    """Exact search over threshold tuples.
+
+    ``d``: [n] densities in rank order; ``eff``: [m, n] ratio the chunk at each rank ends at when
+    targeted at level ``w`` (already the lighter of target and current). ``budget`` is the bound on
+    the *sum* of ratios (``global_ratio * n``). Returns (thresholds, feasible).
+    """
+    m, n = eff.shape
+    k, size = m - 1, n + 1
+    if size ** k > MAX_GRID:
+        raise ValueError(f"{n} chunks x {m} levels is {size ** k} threshold tuples, over the exact-"
+                         f"enumeration limit {MAX_GRID}; plan a shorter context or fewer levels")
+    # fid[w, t]: fidelity of ranks [0, t) all targeted at level w; cnt[w, t]: their ratio sum
+    fid = np.zeros((m, size))
+    np.cumsum(eff * d, axis=1, out=fid[:, 1:])
+    cnt = np.zeros((m, size))
+    np.cumsum(eff, axis=1, out=cnt[:, 1:])
+
+    def axis(j: int) -> np.ndarray:  # threshold t_{j+1} varying along axis j of the grid
+        shape = [1] * k
+        shape[j] = size
+        return np.arange(size).reshape(shape)
+
+    bounds: list[np.ndarray | int] = [0, *(axis(j) for j in range(k)), n]
+    grid = (size,) * k
+    obj = np.zeros(grid)
+    tot = np.zeros(grid)
+    for w in range(m):  # segment w: ranks [bounds[w], bounds[w+1])
+        lo, hi = bounds[w], bounds[w + 1]
+        obj = obj + (fid[w][hi] - fid[w][lo])
+        tot = tot + (cnt[w][hi] - cnt[w][lo])
+    ok = np.ones(grid, dtype=bool)
+    for j in range(k - 1):
+        ok &= axis(j) <= axis(j + 1)
+    obj, tot, ok = obj.ravel(), tot.ravel(), ok.ravel()
+    feas = ok & (tot <= budget + _RATIO_EPS)
+    if not feas.any():
+        return (0,) * k, False  # every chunk at its lightest allowed level: the least mean there is
+    best = obj[feas].max()
+    tol = 1e-9 * float(d.sum())  # cumulative sums differ from exact sums by rounding only
+    cand = np.flatnonzero(feas & (obj >= best - tol))
+    pick = int(cand[np.argmin(tot[cand])])  # first minimum: smallest thresholds lexicographically
+    return tuple(int(t) for t in np.unravel_index(pick, grid)), True
+
+
+def plan_tolerance(densities: Sequence[float] | np.ndarray, *, global_ratio: float = 0.5,
+                   levels: Sequence[str] = L.DEFAULT_PLAN_LEVELS,
+                   current: Sequence[str | None] | None = None, partial_last: bool = False,
+                   dtype: str = "float32") -> CompressionPlan:
+    """Tolerance-aware plan (LLMS Eq. 2-3 with fidelity weights; see the module docstring).
+
+    ``densities``: one per chunk in chunk order (a partial last chunk included, flagged by
+    ``partial_last``); ``current``: each chunk's level now (``None`` = new, raw).
+    """
+    d = _as_densities(densities)
+    cur = _as_current(current, len(d))
+    lv = L.check_plan_levels(levels)
+    if not (np.isfinite(global_ratio) and global_ratio > 0):
+        raise ValueError(f"global_ratio must be a finite number > 0, got {global_ratio!r}")
+    nb = _budget_count(len(d), partial_last)
+    order = np.argsort(-d[:nb], kind="stable")  # rank -> chunk index; equal densities keep chunk order
+    cur_rank = np.array([L.rank(cur[i]) for i in order], dtype=np.int64)
+    cur_ratio = np.array([L.ratio(cur[i], dtype) for i in order], dtype=np.float64)
+    eff = np.stack([np.where(L.rank(w) <= cur_rank, L.ratio(w, dtype), cur_ratio) for w in lv]) \
+        if nb else np.zeros((len(lv), 0))
+    thresholds, feasible = _best_thresholds(d[order], eff, global_ratio * nb)
+    out = list(cur)  # a partial last chunk keeps its level
+    target = np.searchsorted(np.array(thresholds, dtype=np.int64), np.arange(nb), side="right")
+    for r, i in enumerate(order):
+        out[int(i)] = L.lighter(lv[int(target[r])], cur[int(i)])
+    return _finish("tolerance", out, cur, d, nb, thresholds, global_ratio, feasible, dtype)
+
+
+def plan_static(level: str, n_chunks: int, *, densities: Sequence[float] | np.ndarray | None = None,
+                current: Sequence[str | None] | None = None, partial_last: bool = False,
+                dtype: str = "float32", mode: str = "static") -> CompressionPlan:
+    """Every chunk at ``level`` unless already lighter (baselines: ``q8``, or ``raw`` = lossless).
+
+    ``densities`` only feed the reported objective (zeros when omitted). A partial last chunk keeps
+    its level, as in tolerance mode.
+    """
+    L.check_level(level)
+    n_chunks = count("n_chunks", n_chunks)
+    d = np.zeros(n_chunks) if densities is None else _as_densities(densities)
+    if len(d) != n_chunks:
+        raise ValueError(f"{len(d)} densities for {n_chunks} chunks")
+    cur = _as_current(current, n_chunks)
+    nb = _budget_count(n_chunks, partial_last)
+    out = [L.lighter(level, c) for c in cur[:nb]] + cur[nb:]
+    return _finish(mode, out, cur, d, nb, (), None, True, dtype)
+
+
+def _tolerance(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool) -> CompressionPlan:
+    return plan_tolerance(d, global_ratio=cfg.global_ratio, levels=cfg.levels, current=current,
+                          partial_last=partial_last, dtype=cfg.dtype)
+
+
+def _static(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool) -> CompressionPlan:
+    return plan_static(cfg.static_level, len(d), densities=d, current=current,
+                       partial_last=partial_last, dtype=cfg.dtype)
+
+
+def _none(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool) -> CompressionPlan:
+    return plan_static("raw", len(d), densities=d, current=current, partial_last=partial_last,
+                       dtype=cfg.dtype, mode="none")
+
+
+#: compression mode name -> planner (config, densities, current levels, partial_last) -> plan
+MODES: dict[str, Callable[[CompressionConfig, np.ndarray, Sequence[str | None] | None, bool],
+                          CompressionPlan]] = {
+    "tolerance": _tolerance,
+    "static": _static,
+    "none": _none,
+}
+
+
+class CompressionPlanner:
+    """A :class:`CompressionConfig` bound to its mode: ``plan(...)`` for one context at a time."""
+
+    __slots__ = ("config", "_fn")
+
+    def __init__(self, config: CompressionConfig | None = None) -> None:
+        self.config = config or CompressionConfig()  # validated in its __post_init__
+        self._fn = MODES[self.config.mode]
+
+    def plan(self, densities: Sequence[float] | np.ndarray,
+             current: Sequence[str | None] | None = None, *,
+             partial_last: bool = False) -> CompressionPlan:
+        """Plan levels for one context's chunks (see :func:`plan_tolerance` / :func:`plan_static`)."""
+        return self._fn(self.config, _as_densities(densities), current, partial_last)

@@ -1,0 +1,301 @@
+"""Swap-recompute pipeline planner (LLMS §3.3, Eq. 4): which missing chunks to read, which to recompute.
+
+Restoring a context, the IO worker reads some missing chunks from disk while the recompute worker
+recomputes the others from their token ids, layer by layer, overlapped (Fig. 8). The switch costs
+about the slower of the two, so the planner minimises
+
+    pipelineDelay = max(T_re(#recomputed), T_io(bytes loaded))                              (Eq. 4)
+
+with linear cost models fitted from a one-shot profile (§3.3 i): ``T_re(x) = a + b*x`` seconds
+for ``x`` chunks and ``T_io(m) = c + d*m`` seconds for ``m`` bytes as stored on disk. Doing no work
+costs nothing: ``T(0) = 0`` (the intercept is the fixed cost of starting a side of the pipeline,
+not paid when that side is idle). Fits are non-negative least squares, so both are non-decreasing.
+
+Planning (§3.4 ii: recompute the heaviest, least-compressed chunks first). Chunks whose file is
+missing or corrupt are always recomputed (``must_recompute``: the Fault primitive). The others are
+sorted by stored bytes, largest first (ties: heavier level, then chunk index), and ``x = 0..n`` is
+scanned: recompute the first ``x``, load the rest. Because ``T_re`` depends only on the count and
+``T_io`` is non-decreasing in bytes, for every count the largest chunks are the best ones to
+recompute, so this scan is optimal over *all* subsets, not only for that order. Ties between
+counts go to the smaller ``x`` (less CPU taken from the model). With ``allow_recompute=False``
+(pipeline off: ``llms-no-pipeline`` and the swap baselines) everything with a file is loaded.
+
+Deliberately not modelled: recompute of a late chunk attends to more tokens than an early one
+(``T_re`` is linear in the count only, as in the paper), and de-quantization time (it scales with
+the chunks loaded and is folded into ``T_io`` when the profile measures read + decode).
+
+:class:`ProfileCache` keeps fitted profiles as JSON files keyed by machine (hostname and CPU count),
+model fingerprint and storage throttle; the caller runs the profiling and passes measured points.
+:class:`RestoreLog` keeps (predicted, measured) pairs to report the model's error.
+
+This module deliberately knows nothing about disks beyond those files, the model or actors, and it
+never reads a clock: times are measured by the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import tempfile
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from scheduler import levels as L
+from scheduler.keys import count
+
+#: format version of serialised profiles; a cache file of another version is a miss
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCost:
+    """``T(x) = intercept + slope * x`` for ``x > 0``, ``T(0) = 0``; seconds."""
+
+    intercept: float  # fixed cost of doing any work at all, seconds (>= 0)
+    slope: float  # cost per unit, seconds per chunk (recompute) or per byte (IO) (>= 0)
+
+    def __post_init__(self) -> None:
+        for name in ("intercept", "slope"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+
+    def __call__(self, x: float) -> float:
+        return 0.0 if x <= 0 else self.intercept + self.slope * x
+
+    def many(self, xs: np.ndarray) -> np.ndarray:
+        """Vectorised ``__call__``."""
+        xs = np.asarray(xs, dtype=np.float64)
+        return np.where(xs > 0, self.intercept + self.slope * xs, 0.0)
+
+
+def _points(points: Iterable[Sequence[float]], what: str) -> tuple[tuple[float, float], ...]:
+    pts = tuple((float(x), float(y)) for x, y in points)
+    if any(not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0 for x, y in pts):
+        raise ValueError(f"{what} points must be finite (x, seconds) pairs >= 0")
+    if len({x for x, _ in pts}) < 2:
+        raise ValueError(f"{what} profile needs points at two or more distinct sizes, got {pts}")
+    return pts
+
+
+def fit_linear(points: Iterable[Sequence[float]], what: str = "cost") -> LinearCost:
+    """Least-squares ``y = a + b*x`` with ``a, b >= 0`` from ``(x, y)`` points (two distinct x or more).
+
+    Non-negative least squares in two unknowns is exact by faces: the unconstrained fit when it is
+    non-negative, else the better of the fits with ``a = 0`` or ``b = 0`` (each clamped at 0).
+    """
+    pts = np.array(_points(points, what), dtype=np.float64)
+    x, y = pts[:, 0], pts[:, 1]
+    (a, b), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), y, rcond=None)
+    if a >= 0 and b >= 0:
+        return LinearCost(float(a), float(b))
+    faces = [(0.0, max(0.0, float(x @ y / (x @ x)))), (max(0.0, float(y.mean())), 0.0)]
+    a, b = min(faces, key=lambda ab: float(((ab[0] + ab[1] * x - y) ** 2).sum()))
+    return LinearCost(a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    """Fitted pipeline cost models of one machine, model and storage throttle."""
+
+    recompute: LinearCost  # T_re(x): seconds to recompute x chunks
+    io: LinearCost  # T_io(m): seconds to read (and decode) m bytes as stored on disk
+    recompute_points: tuple[tuple[float, float], ...] = ()  # measured (chunks, seconds)
+    io_points: tuple[tuple[float, float], ...] = ()  # measured (bytes, seconds)
+
+    @classmethod
+    def fit(cls, recompute_points: Iterable[Sequence[float]],
+            io_points: Iterable[Sequence[float]]) -> CostProfile:
+        """Fit both models from measured points (see :func:`fit_linear`)."""
+        rp, ip = _points(recompute_points, "recompute"), _points(io_points, "io")
+        return cls(fit_linear(rp, "recompute"), fit_linear(ip, "io"), rp, ip)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "version": PROFILE_VERSION,
+            "recompute": {**asdict(self.recompute), "points": self.recompute_points},
+            "io": {**asdict(self.io), "points": self.io_points},
+        }, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostProfile:
+        """Parse :meth:`to_json` output; ``ValueError`` on another version or a malformed document."""
+        try:
+            doc = json.loads(text)
+            if doc.get("version") != PROFILE_VERSION:
+                raise ValueError(f"profile version {doc.get('version')!r}, this code reads "
+                                 f"{PROFILE_VERSION}")
+            parts = {}
+            for side in ("recompute", "io"):
+                d = doc[side]
+                pts = tuple((float(x), float(y)) for x, y in d["points"])
+                parts[side] = (LinearCost(float(d["intercept"]), float(d["slope"])), pts)
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed cost profile: {e}") from e
+        return cls(parts["recompute"][0], parts["io"][0], parts["recompute"][1], parts["io"][1])
+
+
+def machine_id() -> str:
+    """This machine as profiles know it: hostname and CPU count."""
+    return f"{socket.gethostname()}/{os.cpu_count()}cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileKey:
+    """What a cost profile depends on."""
+
+    machine: str  # machine_id() of the profiled machine
+    model: str  # model fingerprint, given by the caller
+    throttle_bps: float  # storage read throttle, bytes/s; 0 = none
+
+    @classmethod
+    def local(cls, model: str, throttle_bps: float = 0.0) -> ProfileKey:
+        """The key for this machine."""
+        return cls(machine_id(), model, float(throttle_bps))
+
+    def filename(self) -> str:
+        """A file name unique to the key: a readable slug and a hash of the whole key."""
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{self.machine}_{self.model}")[:80]
+        return f"{slug}-{digest[:16]}.json"
+
+
+class ProfileCache:
+    """Fitted profiles as JSON files under ``root``, one per :class:`ProfileKey`.
+
+    ``get`` treats a missing, unreadable, other-version or other-key file as a miss (``None``): the
+    caller profiles again and ``put`` replaces it atomically (temp file, fsync, rename).
+    """
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def path(self, key: ProfileKey) -> Path:
+        """Where ``key``'s profile lives (whether or not it exists)."""
+        return self.root / key.filename()
+
+    def get(self, key: ProfileKey) -> CostProfile | None:
+        """The cached profile of ``key``, or ``None`` (a miss; see the class docstring)."""
+        try:
+            doc = json.loads(self.path(key).read_text())
+            if doc.get("key") != json.loads(json.dumps(asdict(key))):
+                return None
+            return CostProfile.from_json(json.dumps(doc["profile"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def put(self, key: ProfileKey, profile: CostProfile) -> Path:
+        """Store ``profile`` as ``key``'s, replacing any older one atomically; returns its path."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"key": asdict(key), "profile": json.loads(profile.to_json())},
+                          sort_keys=True, indent=1)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".profile-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return self.path(key)
+
+
+@dataclass(frozen=True, slots=True)
+class MissingChunk:
+    """A chunk of the context being restored that is not resident."""
+
+    index: int  # chunk index in its context
+    level: str  # level of its on-disk copy (what loading it gives back)
+    nbytes: int  # bytes as stored on disk, what reading it costs; bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """Which missing chunks to read and which to recompute, and the predicted times."""
+
+    load: tuple[int, ...]  # chunk indices to read from disk, ascending
+    recompute: tuple[int, ...]  # chunk indices to recompute from token ids, ascending
+    load_bytes: int  # bytes read, as stored; bytes
+    t_recompute: float  # predicted T_re(len(recompute)), seconds
+    t_io: float  # predicted T_io(load_bytes), seconds
+    predicted: float  # predicted pipeline delay max(t_recompute, t_io), seconds
+    forced: int  # how many of ``recompute`` had no usable file (must_recompute)
+
+
+def plan_restore(missing: Sequence[MissingChunk], profile: CostProfile, *,
+                 must_recompute: Iterable[int] = (), allow_recompute: bool = True) -> RestorePlan:
+    """Split ``missing`` into load and recompute minimising Eq. 4 (see the module docstring)."""
+    by_index: dict[int, MissingChunk] = {}
+    for c in missing:
+        i = count("chunk index", c.index)
+        L.check_level(c.level)
+        count("nbytes", c.nbytes)
+        if i in by_index:
+            raise ValueError(f"chunk {i} listed twice")
+        by_index[i] = c
+    forced = {count("chunk index", i) for i in must_recompute}
+    if not forced <= by_index.keys():
+        raise ValueError(f"must_recompute names chunks that are not missing: "
+                         f"{sorted(forced - by_index.keys())}")
+    optional = sorted((c for i, c in by_index.items() if i not in forced),
+                      key=lambda c: (-c.nbytes, -L.rank(c.level), c.index))
+    sizes = np.array([c.nbytes for c in optional], dtype=np.float64)
+    # xs[j] = j optional chunks recomputed (the j largest); loaded bytes shrink as j grows
+    xs = np.arange(len(optional) + 1) if allow_recompute else np.zeros(1, dtype=np.int64)
+    left = sizes.sum() - np.concatenate([[0.0], np.cumsum(sizes)])[xs]
+    t_re = profile.recompute.many(xs + len(forced))
+    t_io = profile.io.many(left)
+    x = int(xs[int(np.argmin(np.maximum(t_re, t_io)))])  # first minimum: fewest recomputed
+    recompute = sorted(forced | {c.index for c in optional[:x]})
+    load = sorted(c.index for c in optional[x:])
+    load_bytes = sum(by_index[i].nbytes for i in load)
+    t_r, t_i = profile.recompute(len(recompute)), profile.io(load_bytes)
+    return RestorePlan(tuple(load), tuple(recompute), load_bytes, t_r, t_i, max(t_r, t_i),
+                       len(forced))
+
+
+class RestoreLog:
+    """(predicted, measured) restore times, for judging the cost model; seconds.
+
+    Keeps the last ``max_records`` pairs (all when ``None``).
+    """
+
+    __slots__ = ("_pairs",)
+
+    def __init__(self, max_records: int | None = None) -> None:
+        if max_records is not None:
+            count("max_records", max_records, 1)
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=max_records)  # (predicted, measured)
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    @property
+    def pairs(self) -> tuple[tuple[float, float], ...]:
+        return tuple(self._pairs)
+
+    def record(self, predicted: float, measured: float) -> None:
+        """Add one restore's predicted and measured seconds (both > 0: a ratio is taken)."""
+        p, m = float(predicted), float(measured)
+        if not (math.isfinite(p) and math.isfinite(m) and p > 0 and m > 0):
+            raise ValueError(f"predicted and measured must be finite seconds > 0, got {p!r}, {m!r}")
+        self._pairs.append((p, m))
+
+    def median_abs_log_error(self) -> float | None:
+        """Median of ``|ln(measured / predicted)|`` (0.1 ~ 10 % off); ``None`` with no records."""
+        if not self._pairs:
+            return None
+        return statistics.median(abs(math.log(m / p)) for p, m in self._pairs)

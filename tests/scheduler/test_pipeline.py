@@ -1,0 +1,217 @@
+"""Swap-recompute planner: optimal against brute force, monotone in disk speed; cost fits and
+their JSON cache; the prediction log."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import socket
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.pipeline import (PROFILE_VERSION, CostProfile, LinearCost, MissingChunk, ProfileCache,
+                                ProfileKey, RestoreLog, fit_linear, machine_id, plan_restore)
+
+LEVEL_BYTES = {"raw": 737_280, "fp16": 368_640, "q8": 230_400, "q4": 138_240, "q2": 92_160}
+
+
+def profile(a=0.004, b=0.003, c=0.0005, d=1 / 50e6) -> CostProfile:
+    """Recompute: 4 ms + 3 ms/chunk; IO: 0.5 ms + 50 MB/s."""
+    return CostProfile(LinearCost(a, b), LinearCost(c, d))
+
+
+def t(cost: LinearCost, x: float) -> float:  # the cost model written out independently
+    return 0.0 if x == 0 else cost.intercept + cost.slope * x
+
+
+def brute_force(missing, prof, forced, allow):
+    """Best max(T_re, T_io) over every subset that recomputes all forced chunks."""
+    best = math.inf
+    optional = [c for c in missing if c.index not in forced]
+    sizes = range(len(optional) + 1) if allow else [0]
+    for k in sizes:
+        for chosen in itertools.combinations(optional, k):
+            n_re = len(forced) + k
+            loaded = sum(c.nbytes for c in optional if c not in chosen)
+            best = min(best, max(t(prof.recompute, n_re), t(prof.io, loaded)))
+    return best
+
+
+chunks = st.lists(st.tuples(st.sampled_from(sorted(LEVEL_BYTES)), st.integers(1, 1_000_000)),
+                  max_size=9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks, st.data(), st.floats(1e6, 1e9), st.floats(0, 0.05), st.floats(1e-4, 0.02),
+       st.booleans())
+def test_plan_is_optimal_over_all_subsets(raw, data, bps, a, b, allow):
+    missing = [MissingChunk(i, lv, n) for i, (lv, n) in enumerate(raw)]
+    forced = set(data.draw(st.sets(st.sampled_from(range(len(raw)))) if raw else st.just(set())))
+    prof = profile(a=a, b=b, d=1 / bps)
+    plan = plan_restore(missing, prof, must_recompute=forced, allow_recompute=allow)
+    assert sorted(plan.load + plan.recompute) == list(range(len(raw)))
+    assert set(plan.load).isdisjoint(plan.recompute)
+    assert forced <= set(plan.recompute) and plan.forced == len(forced)
+    if not allow:
+        assert set(plan.recompute) == forced
+    assert plan.load_bytes == sum(missing[i].nbytes for i in plan.load)
+    assert plan.t_recompute == pytest.approx(t(prof.recompute, len(plan.recompute)))
+    assert plan.t_io == pytest.approx(t(prof.io, plan.load_bytes))
+    assert plan.predicted == max(plan.t_recompute, plan.t_io)
+    assert plan.predicted == pytest.approx(brute_force(missing, prof, forced, allow), rel=1e-12)
+
+
+def test_heaviest_chunks_are_recomputed_first():
+    missing = [MissingChunk(i, lv, LEVEL_BYTES[lv])
+               for i, lv in enumerate(["q2", "q8", "raw", "q4", "q8", "q2", "fp16", "q4"])]
+    plan = plan_restore(missing, profile(d=1 / 20e6))
+    assert 0 < len(plan.recompute) < len(missing)
+    heaviest_loaded = max(LEVEL_BYTES[missing[i].level] for i in plan.load)
+    lightest_recomputed = min(LEVEL_BYTES[missing[i].level] for i in plan.recompute)
+    assert lightest_recomputed >= heaviest_loaded
+    assert 2 in plan.recompute  # the raw one
+
+
+def test_slower_disk_means_more_recompute():
+    missing = [MissingChunk(i, lv, LEVEL_BYTES[lv]) for i, lv in
+               enumerate(["q8", "q4", "q2", "raw", "q8", "q4", "q2", "q8"] * 4)]
+    counts, delays = [], []
+    for bps in [2e9, 5e8, 2e8, 1e8, 5e7, 2e7, 1e7, 5e6, 1e6]:
+        plan = plan_restore(missing, profile(d=1 / bps))
+        counts.append(len(plan.recompute))
+        delays.append(plan.predicted)
+    assert counts == sorted(counts) and counts[0] < counts[-1]
+    assert delays == sorted(delays)
+    assert counts[0] == 0  # a fast disk: load everything
+
+
+def test_pipeline_off_loads_everything_with_a_file():
+    missing = [MissingChunk(i, "raw", LEVEL_BYTES["raw"]) for i in range(6)]
+    on = plan_restore(missing, profile(d=1 / 1e6))
+    off = plan_restore(missing, profile(d=1 / 1e6), must_recompute={4}, allow_recompute=False)
+    assert len(on.recompute) > 1
+    assert off.recompute == (4,) and off.load == (0, 1, 2, 3, 5)
+    assert off.predicted > on.predicted
+
+
+def test_nothing_missing_costs_nothing():
+    plan = plan_restore([], profile())
+    assert plan.load == plan.recompute == () and plan.predicted == 0.0
+
+
+def test_bad_restore_arguments():
+    with pytest.raises(ValueError, match="twice"):
+        plan_restore([MissingChunk(1, "q8", 10), MissingChunk(1, "q4", 5)], profile())
+    with pytest.raises(ValueError, match="not missing"):
+        plan_restore([MissingChunk(1, "q8", 10)], profile(), must_recompute={2})
+    with pytest.raises(ValueError):
+        plan_restore([MissingChunk(0, "q8", -1)], profile())
+
+
+# -- cost models -----------------------------------------------------------------------------------
+
+
+def test_linear_cost_is_zero_without_work():
+    c = LinearCost(0.5, 2.0)
+    assert c(0) == 0.0 and c(3) == 6.5
+    assert list(c.many(np.array([0, 1, 2]))) == [0.0, 2.5, 4.5]
+    with pytest.raises(ValueError):
+        LinearCost(-1.0, 1.0)
+
+
+def test_fit_recovers_known_coefficients():
+    xs = [1, 2, 4, 8, 16, 32]
+    exact = fit_linear([(x, 0.004 + 0.0025 * x) for x in xs])
+    assert exact.intercept == pytest.approx(0.004, rel=1e-9)
+    assert exact.slope == pytest.approx(0.0025, rel=1e-9)
+    rng = np.random.default_rng(7)
+    noisy_pts = [(m, 0.0005 + m / 80e6 + rng.normal(0, 1e-5)) for m in np.linspace(1e5, 5e7, 40)]
+    noisy = fit_linear(noisy_pts)
+    assert noisy.slope == pytest.approx(1 / 80e6, rel=0.02)
+    assert noisy.intercept == pytest.approx(0.0005, abs=5e-5)
+
+
+def test_fit_is_the_best_non_negative_line():
+    pts = [(1, 0.5), (2, 3.5), (3, 6.0), (4, 9.5)]  # unconstrained intercept is negative
+    fit = fit_linear(pts)
+    assert fit.intercept >= 0 and fit.slope >= 0
+
+    def sse(a, b):
+        return sum((a + b * x - y) ** 2 for x, y in pts)
+
+    grid = min(sse(a, b) for a in np.linspace(0, 2, 201) for b in np.linspace(0, 4, 401))
+    assert sse(fit.intercept, fit.slope) <= grid + 1e-12
+    falling = fit_linear([(1, 3.0), (2, 2.0), (3, 1.0)])  # slope would be negative
+    assert falling.slope == 0 and falling.intercept == pytest.approx(2.0)
+
+
+def test_fit_needs_two_sizes():
+    with pytest.raises(ValueError, match="distinct"):
+        fit_linear([(4, 1.0), (4, 1.1)])
+    with pytest.raises(ValueError):
+        fit_linear([(1, float("nan")), (2, 1.0)])
+
+
+def test_profile_json_round_trip():
+    prof = CostProfile.fit([(1, 0.01), (2, 0.013), (8, 0.031)], [(1e6, 0.02), (4e6, 0.08)])
+    back = CostProfile.from_json(prof.to_json())
+    assert back == prof
+    assert json.loads(prof.to_json())["version"] == PROFILE_VERSION
+    doc = json.loads(prof.to_json())
+    doc["version"] = PROFILE_VERSION + 1
+    with pytest.raises(ValueError, match="version"):
+        CostProfile.from_json(json.dumps(doc))
+    with pytest.raises(ValueError, match="malformed"):
+        CostProfile.from_json('{"version": 1}')
+
+
+def test_profile_cache(tmp_path):
+    cache = ProfileCache(tmp_path / "profiles")
+    key = ProfileKey.local("smollm2-135m:abc123", throttle_bps=50e6)
+    assert key.machine == machine_id()
+    assert socket.gethostname() in key.machine and str(os.cpu_count()) in key.machine
+    assert cache.get(key) is None
+    prof = CostProfile.fit([(1, 0.01), (4, 0.02)], [(1e6, 0.02), (2e6, 0.04)])
+    path = cache.put(key, prof)
+    assert path.parent == tmp_path / "profiles" and cache.get(key) == prof
+    other = ProfileKey.local("smollm2-135m:abc123", throttle_bps=0)
+    assert other.filename() != key.filename() and cache.get(other) is None
+    # a file under the wrong name (copied by hand) is not taken for another key
+    cache.path(other).write_text(path.read_text())
+    assert cache.get(other) is None
+    path.write_text("{not json")
+    assert cache.get(key) is None
+    cache.put(key, prof)  # replaces the corrupt file
+    assert cache.get(key) == prof
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".profile-")]
+
+
+def test_profile_key_filename_is_safe():
+    name = ProfileKey("host/../x", "a b/c\\d", 0.0).filename()
+    assert "/" not in name and "\\" not in name and name.endswith(".json")
+
+
+# -- prediction log --------------------------------------------------------------------------------
+
+
+def test_restore_log_median_abs_log_error():
+    log = RestoreLog()
+    assert log.median_abs_log_error() is None
+    for p, m in [(0.010, 0.020), (0.010, 0.010), (0.020, 0.010), (0.010, 0.011), (0.05, 0.5)]:
+        log.record(p, m)
+    errors = sorted(abs(math.log(m / p)) for p, m in log.pairs)
+    assert log.median_abs_log_error() == pytest.approx(errors[2]) == pytest.approx(math.log(2))
+    with pytest.raises(ValueError):
+        log.record(0.0, 0.1)
+
+
+def test_restore_log_keeps_the_latest():
+    log = RestoreLog(max_records=2)
+    for m in (1.0, 2.0, 4.0):
+        log.record(1.0, m)
+    assert log.pairs == ((1.0, 2.0), (1.0, 4.0)) and len(log) == 2
