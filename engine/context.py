@@ -136,7 +136,7 @@ class ContextEngine:
         from engine.loader import resolve_model
 
         resolved = resolve_model(model_path, progress=progress)
-        model = Transformer.from_directory(resolved.directory, config)
+        model = Transformer.from_directory(resolved.directory, config, fingerprint=resolved.fingerprint)
         engine = cls(model, ChatTokenizer(resolved.directory), config)
         engine.fingerprint = resolved.fingerprint
         model.warmup()

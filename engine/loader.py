@@ -163,14 +163,14 @@ def _convert_gguf(src: Path, target: Path, *, progress: bool) -> None:
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32}
 
 
-def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
+def read_safetensors(directory: Path, only: str | None = None) -> dict[str, np.ndarray]:
     """Map every tensor of the directory's safetensors files as read-only numpy arrays over an mmap.
 
     Read-only mappings share the page cache, so several processes on one node hold the weights once.
     BF16 tensors come back as uint16 views (numpy has no bfloat16); the caller reinterprets them.
     """
     out: dict[str, np.ndarray] = {}
-    for f in sorted(Path(directory).glob("*.safetensors")):
+    for f in sorted(Path(directory).glob(only or "*.safetensors")):
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             if n > 100 << 20:
@@ -187,3 +187,23 @@ def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
             a, b = info["data_offsets"]
             out[name] = mm[base + a : base + b].view(dt).reshape(info["shape"])
     return out
+
+
+def fused_weights(directory: Path, fingerprint: str, fuse) -> dict[str, np.ndarray]:
+    """The engine-layout weights of `directory`, from a cache file written once (atomically) and
+    memory-mapped read-only. `fuse` maps Hugging Face tensors to the engine's layout."""
+    from safetensors.numpy import save_file
+
+    target = cache_root() / "fused" / f"{fingerprint}.safetensors"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / f".{target.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.is_file():
+                tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+                arrays = {k: np.ascontiguousarray(v) for k, v in fuse(read_safetensors(directory)).items()}
+                save_file(arrays, str(tmp), metadata={"format": "llmaas-fused", "fingerprint": fingerprint})
+                with open(tmp, "rb") as fh:
+                    os.fsync(fh.fileno())
+                os.rename(tmp, target)
+    return read_safetensors(target.parent, only=target.name)

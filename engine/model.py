@@ -63,13 +63,40 @@ class RecomputeJob:
     next_layer: int = 0
 
 
-def load_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, device, dtype) -> Weights:
-    """Build engine weights from Hugging Face parameter names (numpy arrays, e.g. an mmap)."""
+def fuse_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Hugging Face parameter names -> the engine's fused layout (q/k/v and gate/up concatenated)."""
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise KeyError(f"checkpoint lacks tensor {name!r}")
-        a = tensors[name]
+        return tensors[name]
+
+    out: dict[str, np.ndarray] = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+    if not cfg.tie_embeddings and "lm_head.weight" in tensors:
+        out["lm_head"] = tensors["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        out[o + "attn_norm"] = get(p + "input_layernorm.weight")
+        out[o + "wqkv"] = np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if all(p + f"self_attn.{n}_proj.bias" in tensors for n in "qkv"):
+            out[o + "bqkv"] = np.concatenate([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        out[o + "wo"] = get(p + "self_attn.o_proj.weight")
+        if p + "self_attn.o_proj.bias" in tensors:
+            out[o + "bo"] = tensors[p + "self_attn.o_proj.bias"]
+        out[o + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
+        out[o + "w_gate_up"] = np.concatenate((get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")))
+        out[o + "w_down"] = get(p + "mlp.down_proj.weight")
+    return out
+
+
+def load_weights(fused: dict[str, np.ndarray], cfg: ModelConfig, device, dtype) -> Weights:
+    """Build engine weights from fused arrays. On the CPU in the arrays' own dtype nothing is copied:
+    the tensors view the arrays (a read-only mmap shares its pages with every process on the node)."""
+
+    def get(name: str) -> torch.Tensor | None:
+        a = fused.get(name)
+        if a is None:
+            return None
         with warnings.catch_warnings():  # read-only mmap: torch warns, we never write to it
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(a)
@@ -77,33 +104,22 @@ def load_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, device, dtype
             t = t.view(torch.bfloat16)
         return t.to(device=device, dtype=dtype)
 
-    def opt(name: str) -> torch.Tensor | None:
-        return get(name) if name in tensors else None
-
-    layers = []
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-        biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-        bqkv = torch.cat(biases) if all(b is not None for b in biases) else None
-        layers.append(
-            LayerWeights(
-                attn_norm=get(p + "input_layernorm.weight"),
-                wqkv=torch.cat((q, k, v)),
-                bqkv=bqkv,
-                wo=get(p + "self_attn.o_proj.weight"),
-                bo=opt(p + "self_attn.o_proj.bias"),
-                mlp_norm=get(p + "post_attention_layernorm.weight"),
-                w_gate_up=torch.cat((get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"))),
-                w_down=get(p + "mlp.down_proj.weight"),
-            )
+    layers = [
+        LayerWeights(
+            attn_norm=get(f"layers.{i}.attn_norm"),
+            wqkv=get(f"layers.{i}.wqkv"),
+            bqkv=get(f"layers.{i}.bqkv"),
+            wo=get(f"layers.{i}.wo"),
+            bo=get(f"layers.{i}.bo"),
+            mlp_norm=get(f"layers.{i}.mlp_norm"),
+            w_gate_up=get(f"layers.{i}.w_gate_up"),
+            w_down=get(f"layers.{i}.w_down"),
         )
-    embed = get("model.embed_tokens.weight")
-    if cfg.tie_embeddings or "lm_head.weight" not in tensors:
-        lm_head = embed
-    else:
-        lm_head = get("lm_head.weight")
-    return Weights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)
+        for i in range(cfg.n_layers)
+    ]
+    embed = get("embed")
+    lm_head = get("lm_head")
+    return Weights(embed=embed, layers=layers, norm=get("norm"), lm_head=embed if lm_head is None else lm_head)
 
 
 def rope_tables(cfg: ModelConfig, n_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,17 +175,25 @@ class Transformer:
         """Query rows computed by recompute."""
 
     @classmethod
-    def from_directory(cls, directory: str | Path, engine_cfg: EngineConfig | None = None) -> "Transformer":
+    def from_directory(
+        cls, directory: str | Path, engine_cfg: EngineConfig | None = None, *, fingerprint: str | None = None
+    ) -> "Transformer":
+        """Load a checkpoint directory. With a `fingerprint`, the fused layout is written once to the
+        model cache and memory-mapped read-only, so every process on the node shares one copy."""
         import json
 
-        from engine.loader import read_safetensors
+        from engine.loader import fused_weights, read_safetensors
 
         engine_cfg = engine_cfg or EngineConfig()
         if engine_cfg.threads:
             torch.set_num_threads(engine_cfg.threads)
         cfg = ModelConfig.from_hf(json.loads((Path(directory) / "config.json").read_text()))
         device, dtype = resolve_device_dtype(engine_cfg)
-        weights = load_weights(read_safetensors(Path(directory)), cfg, device, dtype)
+        if fingerprint:
+            fused = fused_weights(Path(directory), fingerprint, lambda t: fuse_hf(t, cfg))
+        else:
+            fused = fuse_hf(read_safetensors(Path(directory)), cfg)
+        weights = load_weights(fused, cfg, device, dtype)
         return cls(cfg, weights, engine_cfg)
 
     def new_cache(self, capacity: int = 0) -> KVCache:

@@ -25,7 +25,7 @@ def engine(resolved_model):
     from engine.context import ContextEngine
     from engine.model import Transformer
 
-    model = Transformer.from_directory(resolved_model.directory)
+    model = Transformer.from_directory(resolved_model.directory, fingerprint=resolved_model.fingerprint)
     return ContextEngine(model, ChatTokenizer(resolved_model.directory))
 
 
