@@ -1,0 +1,269 @@
+"""Storage speed: KV codec encode/decode per level, and chunk-file bandwidth against the raw disk.
+
+    python -m bench.storage_speed [--tokens 2048] [--reps 5] [--threads 2] [--dir PATH] [--synthetic]
+
+For a context of ``--tokens`` tokens (16-token chunks of the default model's shape [30, 2, 3, 16, 64]):
+
+1. codecs: encode and decode time of all chunks per level, one thread and ``--threads`` threads,
+   decoding into the slots of one context buffer [L, 2, Hkv, S, D] (what a restore does); stored
+   bytes and the relative RMS error;
+2. disk: raw sequential write and cold read bandwidth of one file as large as the raw context;
+3. chunk files per level: crash-safe writes (fsync file and folder per chunk), then cold reads
+   (fsync + posix_fadvise DONTNEED on every file before each pass) of the whole context: the
+   files alone with no checks ("files", the I/O ceiling of one file per chunk), ChunkStore.read_iter
+   with one and with ``--threads`` threads, in bytes on disk per second and as a fraction of the
+   raw sequential read bandwidth; and read + decode into the context buffer.
+
+K/V data: real K/V of the default model when ``engine`` and the model are available (a forward
+over English text from the standard library's docstrings), else synthetic data with a printed note.
+Timings are the best of ``--reps`` passes. This is a benchmark entry point: it knows nothing the
+storage package does not export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shutil
+import tempfile
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from storage import codecs as C
+from storage.chunkfile import ChunkStore, ChunkStoreConfig
+
+SHAPE = (30, 2, 3, 16, 64)  # the default model's chunk
+LEVELS = ("raw", "fp16", "bf16", "q8", "q4", "q2")
+KEY = "be0cbe0cbe0cbe0cbe0cbe0cbe0cbe0c"
+
+
+def real_kv(n_tokens: int) -> np.ndarray | None:
+    """[L, 2, Hkv, n_tokens, D] float32 from the default model, or None when it is unavailable."""
+    try:
+        import pydoc
+        import sys
+
+        import torch
+
+        from engine.context import ContextEngine
+    except Exception as e:  # noqa: BLE001 - any import failure means "no engine here"
+        print(f"note: engine not importable ({type(e).__name__}: {e}); using synthetic K/V")
+        return None
+    try:
+        engine = ContextEngine.load(progress=False)
+    except Exception as e:  # noqa: BLE001
+        print(f"note: default model unavailable ({type(e).__name__}: {e}); using synthetic K/V")
+        return None
+    text, ids = "", []
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in ("antigravity", "this", "idlelib", "tkinter", "turtle"):
+            continue
+        try:
+            with warnings.catch_warnings():  # deprecated stdlib modules warn on import
+                warnings.simplefilter("ignore")
+                doc = pydoc.getdoc(__import__(name))
+        except Exception:  # noqa: BLE001 - some stdlib modules do not import on every platform
+            continue
+        text += doc + "\n\n"
+        if len(text) > 6 * n_tokens:
+            ids = engine.tok.encode_document(text)
+            if len(ids) >= n_tokens:
+                break
+    ids = ids[:n_tokens]
+    if len(ids) < n_tokens:
+        print("note: not enough local text for real K/V; using synthetic K/V")
+        return None
+    cache = engine.model.new_cache(n_tokens)
+    with torch.inference_mode():
+        for s in range(0, n_tokens, 256):
+            engine.model.forward(cache, ids[s:s + 256])
+    kv = np.concatenate([cache.export_chunk(i) for i in range(cache.n_chunks)], axis=3)
+    print(f"K/V: real, default model, {n_tokens} tokens of standard-library docstrings")
+    return np.ascontiguousarray(kv, dtype=np.float32)
+
+
+def synthetic_kv(n_tokens: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    nl, two, h, _, d = SHAPE
+    offset = rng.normal(0, 2, (nl, two, h, 1, d))
+    spread = rng.uniform(0.05, 3, (nl, two, h, 1, d))
+    kv = offset + spread * rng.standard_normal((nl, two, h, n_tokens, d))
+    print(f"K/V: synthetic (per-channel offsets and spreads), {n_tokens} tokens")
+    return kv.astype(np.float32)
+
+
+def best(fn, reps: int) -> float:
+    """Best wall time of ``reps`` runs of fn(), in seconds."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def disk_name(path: str) -> str:
+    """The block device and file system holding ``path`` (from /proc/mounts)."""
+    path = os.path.realpath(path)
+    found = ("?", "?", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fs = line.split()[:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                        found[1]):
+                    found = (dev, mnt, fs)
+    except OSError:
+        pass
+    return f"{found[0]} ({found[2]} on {found[1]})"
+
+
+def raw_disk(directory: str, nbytes: int, reps: int) -> tuple[float, float]:
+    """(sequential write B/s incl. fsync, cold sequential read B/s) of one nbytes file."""
+    path = os.path.join(directory, "raw.bin")
+    block = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+
+    def write():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for _ in range(nbytes // len(block)):
+                os.write(fd, block)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read():
+        with open(path, "rb", buffering=0) as f:
+            while f.read(4 << 20):
+                pass
+
+    def cold_read():
+        drop_cache(path)
+        t0 = time.perf_counter()
+        read()
+        return time.perf_counter() - t0
+
+    size = nbytes // len(block) * len(block)
+    w = best(write, reps)
+    r = min(cold_read() for _ in range(reps))
+    os.unlink(path)
+    return size / w, size / r
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.storage_speed", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=2048, help="context length in tokens (default 2048)")
+    p.add_argument("--reps", type=int, default=5, help="passes per measurement; best is kept")
+    p.add_argument("--threads", type=int, default=2, help="threads for the parallel codec rows")
+    p.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp folder "
+                   "under the current directory)")
+    p.add_argument("--synthetic", action="store_true", help="use synthetic K/V even if the model is here")
+    args = p.parse_args(argv)
+    if args.tokens % 16:
+        p.error("--tokens must be a multiple of 16")
+
+    print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    print(f"machine: {os.cpu_count()} cores, {platform.machine()}, {platform.platform()}")
+    print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    kv = None if args.synthetic else real_kv(args.tokens)
+    if kv is None:
+        kv = synthetic_kv(args.tokens)
+    chunks = [np.ascontiguousarray(kv[:, :, :, s:s + 16]) for s in range(0, args.tokens, 16)]
+    n = len(chunks)
+    raw_nbytes = kv.nbytes
+    print(f"context: {n} chunks of {list(SHAPE)}, {raw_nbytes / 1e6:.1f} MB raw float32\n")
+
+    buf = np.empty_like(kv)  # the context buffer a restore decodes into
+    outs = [buf[:, :, :, 16 * i:16 * (i + 1)] for i in range(n)]
+    pool = ThreadPoolExecutor(args.threads)
+    print(f"codecs ({n} chunks; ms for the whole context; best of {args.reps})")
+    print(f"{'level':6s} {'enc 1t':>8s} {'enc %dt' % args.threads:>8s} {'dec 1t':>8s} "
+          f"{'dec %dt' % args.threads:>8s} {'stored MB':>10s} {'bits/val':>9s} {'rel RMS err':>12s}")
+    encoded = {}
+    for level in LEVELS:
+        e1 = best(lambda: C.encode_many(chunks, level), args.reps)
+        e2 = best(lambda: C.encode_many(chunks, level, executor=pool), args.reps)
+        encs = C.encode_many(chunks, level)
+        encoded[level] = encs
+        d1 = best(lambda: C.decode_many(encs, outs), args.reps)
+        d2 = best(lambda: C.decode_many(encs, outs, executor=pool), args.reps)
+        stored = sum(e.nbytes for e in encs)
+        err = float(np.sqrt(((buf - kv) ** 2).sum() / (kv**2).sum()))
+        print(f"{level:6s} {e1 * 1e3:8.1f} {e2 * 1e3:8.1f} {d1 * 1e3:8.1f} {d2 * 1e3:8.1f} "
+              f"{stored / 1e6:10.2f} {stored * 8 / kv.size:9.2f} {err:12.2e}")
+
+    root = tempfile.mkdtemp(prefix="storage-bench-", dir=args.dir or os.getcwd())
+    try:
+        print(f"\ndisk: {disk_name(root)}")
+        seq_w, seq_r = raw_disk(root, raw_nbytes, args.reps)
+        print(f"raw sequential: write+fsync {seq_w / 1e6:.0f} MB/s, cold read {seq_r / 1e6:.0f} MB/s "
+              f"({raw_nbytes / 1e6:.0f} MB file, 4 MiB reads)\n")
+        print(f"chunk files ({n} files, fsync per file and folder; cold reads of the whole context "
+              f"with ChunkStore.read_iter (prefetch, then read each); best of {args.reps})")
+        print(f"{'level':6s} {'MB disk':>8s} {'write ms':>9s} {'write MB/s':>11s} {'files ms':>9s} "
+              f"{'of raw':>7s} {'read ms':>8s} "
+              f"{'MB/s':>6s} {'of raw':>7s} {'read %dt' % args.threads:>8s} {'MB/s':>6s} {'of raw':>7s} "
+              f"{'read+dec ms':>12s}")
+        for level in LEVELS:
+            store = ChunkStore(os.path.join(root, level), ChunkStoreConfig(), fingerprint="bench")
+            encs = encoded[level]
+
+            def write():
+                for i, e in enumerate(encs):
+                    store.write(KEY, i, e, 16 * i)
+
+            wt = best(write, args.reps)
+            disk = store.usage_bytes()
+            paths = [store.path(KEY, i) for i in range(n)]
+
+            def cold(fn):
+                for q in paths:
+                    drop_cache(q)
+                t0 = time.perf_counter()
+                fn()
+                return time.perf_counter() - t0
+
+            def plain():  # the same files with no checks: the I/O ceiling of one file per chunk
+                store.prefetch(KEY, range(n))
+                for q in paths:
+                    with open(q, "rb", buffering=0) as f:
+                        f.read()
+
+            r0 = min(cold(plain) for _ in range(args.reps))
+            def read(executor=None):
+                for _ in store.read_iter(KEY, range(n), executor=executor):
+                    pass
+
+            def restore():  # read and decode each chunk into its slot, as a restore does
+                for i, enc in enumerate(store.read_iter(KEY, range(n))):
+                    C.decode(enc, outs[i])
+
+            r1 = min(cold(read) for _ in range(args.reps))
+            r2 = min(cold(lambda: read(pool)) for _ in range(args.reps))
+            rd = min(cold(restore) for _ in range(args.reps))
+            print(f"{level:6s} {disk / 1e6:8.2f} {wt * 1e3:9.1f} {disk / wt / 1e6:11.0f} "
+                  f"{r0 * 1e3:9.1f} {disk / r0 / seq_r:7.0%} {r1 * 1e3:8.1f} {disk / r1 / 1e6:6.0f} {disk / r1 / seq_r:7.0%} "
+                  f"{r2 * 1e3:8.1f} {disk / r2 / 1e6:6.0f} {disk / r2 / seq_r:7.0%} {rd * 1e3:12.1f}")
+            store.delete_context(KEY)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        pool.shutdown()
+    print(f"\nload average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""Storage of KV chunks and contexts: codecs, chunk files, the SQLite registry.
+
+- :mod:`storage.codecs`: per-level encode/decode of a chunk's KV (raw, fp16, bf16, q8, q4, q2)
+- :mod:`storage.chunkfile`: ``ChunkStore``, crash-safe checksummed chunk files under one root
+- :mod:`storage.chunkformat`: the chunk file format (prefix, msgpack header, lz4 frames)
+- :mod:`storage.registry`: ``Registry``, apps, contexts (token ids) and chunk states in SQLite
+- :mod:`storage.errors`: the storage exceptions, each with a stable ``code``
+- :mod:`storage.fileops`, :mod:`storage.throttle`: injectable file operations, a token bucket
+
+Imports numpy, msgpack, lz4 and the standard library only (never torch or ray), so a process that
+only stores and loads KV starts fast. This package does not re-export anything: import the module.
+"""

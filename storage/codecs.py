@@ -1,0 +1,525 @@
+"""KV chunk codecs: pure encode/decode pairs, one per compression level, chosen by name.
+
+A chunk's KV is ``kv: [L, 2, Hkv, T, D]`` (layers, K/V, kv heads, tokens, head dim) in the compute
+dtype: ``float32``, ``float16``, or ``bfloat16`` carried as a ``uint16`` view. ``encode`` turns it into
+an :class:`EncodedChunk` whose payload is ``L`` equal-size per-layer records, so one layer can be
+stored, read and decoded without the others. ``decode`` writes straight into a caller-provided array
+in the compute dtype (decode time counts in context-switch latency), which may be a strided view.
+
+Levels (the registry :data:`CODECS`; every level has a ``version`` written beside its payload):
+
+=====  ============  =================================================  =========================
+level  nominal bits  error bound (per element x, decoded x')            record bytes per layer
+=====  ============  =================================================  =========================
+raw    32/16/16 [1]  bit-exact                                          N * itemsize
+fp16   16            |x-x'| <= 2^-11 |x| for |x| in [2^-14, 65504],     2 N
+                     <= 2^-25 below; |x| >= 65520 becomes inf [3]
+bf16   16            |x-x'| <= 2^-8 |x| (normal floats) [3]             2 N
+q8     8             |x-x'| <= s/2, s the channel's scale [2]           N     + 4 C (fp16 params)
+q4     4             same, s = range/15                                 N / 2 + 4 C
+q2     2             same, s = range/3                                  N / 4 + 4 C
+=====  ============  =================================================  =========================
+
+``N = 2*Hkv*T*D`` values and ``C = 2*Hkv*D`` channels per layer. [1] raw keeps the compute dtype:
+32 bits for float32, 16 for float16/bfloat16. [2] plus float32 rounding: a few ulps of the
+channel's largest magnitude ``max(|min|, |max|)`` (``q*s + z`` is computed in float32). [3] rounding
+is to nearest, ties away from zero; fp16 and bf16 are bit-exact from their own compute dtype.
+
+At T=16 with the default model (Hkv=3, D=64: N=6144, C=384) a layer record is 24576 B raw fp32,
+12288 B fp16/bf16, 7680 B q8, 4608 B q4, 3072 B q2: real bits per value 32, 16, 10, 6, 4 against
+nominal 32, 16, 8, 4, 2 (:func:`stored_nbytes` against :func:`nominal_bits`); against the LLMS 8-bit
+baseline, nominal ratios 8/8, 4/8, 2/8 are real ratios 10/8, 6/8, 4/8.
+
+Quantized levels (LLMS §3.2 channel-wise linear, MNN-LLM Eq. 1 asymmetric): for every layer and
+every (K/V, head, channel d) the chunk's T tokens give ``min`` and ``max``; with ``qmax = 2^bits-1``
+
+    z = fp16 round-down of min,   s = fp16 round-up of (max - z)/qmax   (both stored, fp16)
+    q = floor((x - z)/s + 1/2) in [0, qmax],   x' = q*s + z,   so |x - x'| <= s/2
+
+The directed roundings keep every value inside ``[z, z + qmax*s]``, so the bound holds for the
+stored parameters; they widen a channel's range by at most ~2^-10 max(|min|,|max|) + 2^-24. A chunk
+with any |value| >= 65000 keeps float32 parameters (``EncodedChunk.params == "f32"``, 8 C bytes per
+layer, ``z = min``, ``s >= max(|min|,|max|) * 2^-16``). Records of quantized levels are token-major,
+``[T, 2, Hkv, D]`` after the parameters; sub-byte values are packed by splitting a layer's N values
+into 8/bits contiguous parts and OR-ing the shifted parts into one byte (vectorised numpy shifts).
+
+Speed (why the code looks as it does; target: a 2048-token context, 128 chunks, encoded or decoded
+in under 50 ms): numpy ops that broadcast over a middle axis run 64-value inner loops and are ~3x
+slower than long contiguous ones, so the quantized levels first copy a chunk token-major
+``[T, L*2*H*D]``: the min/max become reductions over the outer axis and the affine map broadcasts
+over the outer axis; decode dequantizes token-major and transposes once into the caller's view.
+Work arrays come from per-thread scratch (a fresh large array costs a page fault per 4 KiB).
+numpy's float32 -> float16 cast is scalar, so fp16 uses integer bit operations. The fp16 rounding of
+the quantization parameters costs ~95 us per chunk (float32 parameters would cost ~14 us but 20-50%
+more bytes). :func:`encode_many` / :func:`decode_many` take an executor: numpy releases the GIL.
+
+This module deliberately knows nothing about files, lz4, headers or which level a chunk should get:
+it maps arrays to bytes and back.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+
+from storage.errors import ChunkVersionError, CorruptChunkError, UnknownLevelError
+
+if sys.byteorder != "little":  # bf16 halves and on-disk records assume little-endian words
+    raise ImportError("storage.codecs supports little-endian machines only")
+
+#: compute dtype name -> numpy dtype that carries it (bfloat16 travels as its uint16 bit pattern)
+COMPUTE_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+}
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                np.dtype(np.uint16): "bfloat16"}
+PARAM_DTYPES: dict[str, np.dtype] = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+_F32, _F16, _U8, _U16, _U32 = np.float32, np.float16, np.uint8, np.uint16, np.uint32
+
+
+class _Scratch(threading.local):
+    """Per-thread reusable work arrays.
+
+    Why: a fresh numpy array above glibc's mmap threshold costs a page fault per 4 KiB on first
+    touch, which for a chunk's temporaries (~0.4-0.7 MB each) was half of the q8 encode time.
+    Contents never outlive one encode/decode call, so sharing within a thread is safe.
+    """
+
+    def __init__(self) -> None:
+        self.arrays: dict[tuple, np.ndarray] = {}
+
+    def get(self, tag: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        key = (tag, shape, np.dtype(dtype))
+        a = self.arrays.get(key)
+        if a is None:
+            if len(self.arrays) > 64:  # many distinct shapes (partial chunks): start over
+                self.arrays.clear()
+            a = self.arrays[key] = np.empty(shape, dtype)
+        return a
+
+
+_scratch = _Scratch()
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedChunk:
+    """One chunk (or a run of its layers) encoded at one level.
+
+    Invariant: ``payload`` is C-contiguous uint8 ``[shape[0], record_nbytes]``; row ``i`` is the record
+    of layer ``first_layer + i`` and depends on no other row.
+    """
+
+    level: str  # codec name, a key of CODECS
+    version: int  # codec version that wrote the payload
+    dtype: str  # compute dtype name of the source (and of decode's output), a key of COMPUTE_DTYPES
+    shape: tuple[int, int, int, int, int]  # [L, 2, Hkv, T, D] of the layers carried
+    first_layer: int  # index in the full chunk of the first carried layer
+    params: str  # dtype of quantization scales/zero points: "f16", "f32", or "" (no params)
+    payload: np.ndarray  # uint8 [L, record_nbytes]
+
+    @property
+    def record_nbytes(self) -> int:
+        """Bytes of one layer's record."""
+        return int(self.payload.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all carried records."""
+        return int(self.payload.nbytes)
+
+    def layer(self, i: int) -> memoryview:
+        """Record of the ``i``-th carried layer (zero-copy)."""
+        return self.payload[i].data
+
+
+def dtype_name(kv: np.ndarray) -> str:
+    """Compute dtype name of an array (uint16 means bfloat16 bits)."""
+    try:
+        return _DTYPE_NAMES[kv.dtype]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {kv.dtype}; valid: float32, float16, "
+                         "uint16 (bfloat16 bits)") from None
+
+
+# -- float conversions shared by the codecs ------------------------------------------------------------
+
+
+def _bf16_bits_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bfloat16 bit patterns -> float32 values (exact); ``out`` float32 of the same shape."""
+    if out is None:
+        out = np.empty(bits.shape, _F32)
+    np.left_shift(bits, _U32(16), out=out.view(_U32), dtype=_U32)
+    return out
+
+
+def _f32_to_bf16_bits(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounding half away from zero (|err| <= 2^-8 |x|)."""
+    if out is None:
+        out = np.empty(x.shape, _U16)
+    # Adding half a bf16 ulp to the magnitude bits then truncating rounds to nearest (ties away).
+    t = np.add(x.view(_U32), _U32(0x8000), dtype=_U32)
+    np.right_shift(t, _U32(16), out=out, casting="unsafe")
+    return out
+
+
+def _f32_to_f16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> IEEE fp16 bits, rounding half away from zero (|err| <= 2^-11 |x| when normal).
+
+    Why not ``astype(float16)``: numpy converts to half one element at a time (~2.5 ns each);
+    these nine whole-array integer/float ops are ~1.3x faster. Multiplying by 2^-112 moves the
+    float32 exponent bias (127) to fp16's (15), and fp16 subnormals come out right because float32
+    subnormals have the same bit alignment. Overflow saturates to inf; NaN becomes inf too.
+    """
+    u = x.view(_U32)
+    sign = np.right_shift(u, _U32(16), out=_scratch.get("sign", x.shape, _U32))
+    sign &= _U32(0x8000)
+    a = np.bitwise_and(u, _U32(0x7FFFFFFF), out=_scratch.get("mag", x.shape, _U32))
+    f = a.view(_F32)
+    f *= _F32(2.0**-112)
+    a += _U32(0x1000)  # half an fp16 ulp at bit 13: round half away from zero
+    a >>= _U32(13)
+    np.minimum(a, _U32(0x7C00), out=a)
+    out = np.empty(x.shape, _U16)
+    np.bitwise_or(a, sign, out=out, casting="unsafe")
+    return out
+
+
+def _copy_records(kv: np.ndarray) -> np.ndarray:
+    """The array's own bytes as [L, record bytes], copied: a record never aliases the caller."""
+    return np.array(kv, order="C", copy=True).reshape(kv.shape[0], -1).view(_U8)
+
+
+def _to_f32(kv: np.ndarray, dtype: str) -> np.ndarray:
+    """A float32 array with the values of ``kv`` (no copy when already float32)."""
+    if dtype == "float32":
+        return kv
+    if dtype == "float16":
+        return kv.astype(_F32)
+    return _bf16_bits_to_f32(kv)
+
+
+def _store_f32(x: np.ndarray, out: np.ndarray, dtype: str) -> None:
+    """Write float32 values ``x`` into ``out`` in compute dtype ``dtype``."""
+    if dtype == "bfloat16":
+        _f32_to_bf16_bits(x, out=out)
+    else:
+        np.copyto(out, x, casting="same_kind")
+
+
+# -- codecs ----------------------------------------------------------------------------------------
+
+
+class _Codec:
+    """One level: ``encode`` to per-layer records, ``decode`` into a compute-dtype array."""
+
+    name: str = ""
+    version: int = 1
+
+    def nominal_bits(self, dtype: str) -> int:
+        raise NotImplementedError
+
+    def record_nbytes(self, layer_shape: tuple[int, ...], dtype: str, params: str = "f16") -> int:
+        raise NotImplementedError
+
+    def encode(self, kv: np.ndarray, dtype: str) -> tuple[np.ndarray, str]:
+        """kv [L,2,H,T,D] -> (uint8 [L, record_nbytes], params dtype name)."""
+        raise NotImplementedError
+
+    def decode(self, enc: EncodedChunk, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+
+class _Raw(_Codec):
+    """The compute dtype's own bytes: bit-exact."""
+
+    name = "raw"
+
+    def nominal_bits(self, dtype: str) -> int:
+        return COMPUTE_DTYPES[dtype].itemsize * 8
+
+    def record_nbytes(self, layer_shape, dtype, params=""):
+        return int(np.prod(layer_shape)) * COMPUTE_DTYPES[dtype].itemsize
+
+    def encode(self, kv, dtype):
+        return _copy_records(kv), ""
+
+    def decode(self, enc, out):
+        src = enc.payload.view(COMPUTE_DTYPES[enc.dtype]).reshape(enc.shape)
+        np.copyto(out, src)
+
+
+class _Half(_Codec):
+    """16-bit floats: ``fp16`` (IEEE half) or ``bf16`` (float32's top half); bit-exact from itself."""
+
+    def __init__(self, name: str, native: str):
+        self.name = name
+        self.native = native  # the compute dtype this level stores bit-exactly
+
+    def nominal_bits(self, dtype):
+        return 16
+
+    def record_nbytes(self, layer_shape, dtype, params=""):
+        return int(np.prod(layer_shape)) * 2
+
+    def encode(self, kv, dtype):
+        if dtype == self.native:
+            return _copy_records(kv), ""
+        x = _to_f32(kv, dtype)
+        buf = _f32_to_f16_bits(x) if self.name == "fp16" else _f32_to_bf16_bits(x)
+        return buf.reshape(kv.shape[0], -1).view(_U8), ""
+
+    def decode(self, enc, out):
+        src = enc.payload.view(_U16).reshape(enc.shape)
+        if enc.dtype == self.native:
+            np.copyto(out, src.view(COMPUTE_DTYPES[self.native]))
+        elif self.name == "fp16" and enc.dtype == "float32":
+            np.copyto(out, src.view(_F16), casting="same_kind")
+        elif self.name == "bf16" and enc.dtype == "float32":
+            _bf16_bits_to_f32(src, out=out)
+        else:  # fp16 <-> bfloat16 compute: through float32
+            x = src.view(_F16).astype(_F32) if self.name == "fp16" else _bf16_bits_to_f32(src)
+            _store_f32(x, out, enc.dtype)
+
+
+class _Quant(_Codec):
+    """Channel-wise asymmetric linear quantization to ``bits`` per value, packed into bytes."""
+
+    def __init__(self, bits: int):
+        self.bits, self.name = bits, f"q{bits}"
+        self.qmax = (1 << bits) - 1
+        self.group = 8 // bits  # values per byte
+
+    def nominal_bits(self, dtype):
+        return self.bits
+
+    def _packed(self, n: int) -> int:
+        return -(-n // self.group)
+
+    def record_nbytes(self, layer_shape, dtype, params="f16"):
+        _, h, _, d = layer_shape
+        return 2 * 2 * h * d * PARAM_DTYPES[params].itemsize + self._packed(int(np.prod(layer_shape)))
+
+    def params(self, mn: np.ndarray, mx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                              np.ndarray, str]:
+        """Stored zero points and scales from per-channel min and max (see module docstring).
+
+        Returns (z, s) as stored (fp16 or fp32), the same as float32, and the parameter dtype name.
+        """
+        amax = np.maximum(-mn, mx)  # max(|min|, |max|) since min <= max
+        big = float(amax.max())
+        if big < 65000.0:  # also False for nan
+            # Directed fp16 rounding without nextafter: a margin of 2^-10 |v| + 2^-24 exceeds half
+            # an fp16 ulp (2^-11 |v| normal, 2^-25 subnormal), so round-to-nearest of v - margin is
+            # <= v and of s + margin is >= s.
+            margin = amax
+            margin *= _F32(2.0**-10)
+            margin += _F32(2.0**-24)
+            z16 = np.subtract(mn, margin).astype(_F16)
+            z = z16.astype(_F32)
+            s = np.subtract(mx, z)
+            s *= _F32((1.0 + 2.0**-10) / self.qmax)
+            s += _F32(2.0**-24)
+            s16 = s.astype(_F16)
+            return z16, s16, z, s16.astype(_F32), "f16"
+        if not np.isfinite(big):
+            raise ValueError("KV chunk holds inf or nan; quantized levels need finite values")
+        s = np.maximum((mx - mn) * _F32(1.0 / self.qmax), amax * _F32(2.0**-16))
+        return mn, s, mn, s, "f32"
+
+    def encode(self, kv, dtype):
+        nl, _, h, t, d = kv.shape
+        c = 2 * h * d  # channels per layer
+        n = t * c  # values per layer
+        # Token-major working copy X [T, L*2*H*D]: the min/max over tokens becomes a reduction over
+        # the outer axis, and the per-channel affine map broadcasts over the outer axis too, so
+        # every big numpy op runs over long contiguous rows (3x faster than broadcasting over
+        # a middle axis with 64-value inner loops). The records keep this order: [T, 2, H, D].
+        x5 = _scratch.get("xt", (t, nl, 2, h, d), _F32)
+        if dtype == "bfloat16":
+            np.left_shift(kv.transpose(3, 0, 1, 2, 4), _U32(16), out=x5.view(_U32), dtype=_U32)
+        else:
+            np.copyto(x5, kv.transpose(3, 0, 1, 2, 4), casting="same_kind")
+        x = x5.reshape(t, nl * c)
+        mn = np.minimum.reduce(x, axis=0)
+        mx = np.maximum.reduce(x, axis=0)
+        z_st, s_st, z, s, params = self.params(mn, mx)
+        pdt = PARAM_DTYPES[params]
+        p_nbytes = 2 * c * pdt.itemsize
+        buf = np.empty((nl, p_nbytes + self._packed(n)), _U8)
+        pv = buf[:, :p_nbytes].view(pdt)
+        pv[:, :c] = z_st.reshape(nl, c)
+        pv[:, c:] = s_st.reshape(nl, c)
+
+        inv = np.divide(_F32(1.0), s)
+        bias = np.multiply(z, inv)
+        np.subtract(_F32(0.5), bias, out=bias)
+        x *= inv
+        x += bias  # x = (x - z)/s + 1/2, in [0, qmax + 1)
+        xq = x.reshape(t, nl, c).transpose(1, 0, 2)  # [L, T, C] view
+        dst = buf[:, p_nbytes:]
+        if self.bits == 8:  # the float -> uint8 cast truncates, i.e. floors
+            np.copyto(dst.reshape(nl, t, c), xq, casting="unsafe")
+            return buf, params
+        g = self.group
+        if t % g == 0:  # the g contiguous parts of a record are token ranges: pack token-major
+            qt = _scratch.get("qt", (t, nl, c), _U8)
+            np.copyto(qt, x.reshape(t, nl, c), casting="unsafe")
+            parts = qt.reshape(g, t // g, nl, c)
+            acc = _scratch.get("acc", (t // g, nl, c), _U8)
+            np.copyto(acc, parts[g - 1])
+            for k in range(g - 2, -1, -1):  # acc = (((p3 << 2 | p2) << 2 | p1) << 2) | p0
+                acc <<= _U8(self.bits)
+                acc |= parts[k]
+            np.copyto(dst.reshape(nl, t // g, c), acc.transpose(1, 0, 2))
+            return buf, params
+        q = _scratch.get("q", (nl, dst.shape[1] * g), _U8)
+        if q.shape[1] != n:
+            q[:, n:] = 0
+        np.copyto(q[:, :n].reshape(nl, t, c), xq, casting="unsafe")
+        parts = q.reshape(nl, g, -1)
+        np.copyto(dst, parts[:, g - 1])
+        for k in range(g - 2, -1, -1):
+            np.left_shift(dst, self.bits, out=dst)
+            np.bitwise_or(dst, parts[:, k], out=dst)
+        return buf, params
+
+    def decode(self, enc, out):
+        nl, _, h, t, d = enc.shape
+        c = 2 * h * d
+        n = t * c
+        pdt = PARAM_DTYPES[enc.params]
+        p_nbytes = 2 * c * pdt.itemsize
+        pv = enc.payload[:, :p_nbytes].view(pdt)
+        z = pv[:, :c].astype(_F32)  # [L, C]
+        s = pv[:, c:].astype(_F32)  # [L, C]
+        packed = enc.payload[:, p_nbytes:]
+        if self.bits == 8:
+            q = packed
+        else:
+            parts = _scratch.get("parts", (nl, self.group, packed.shape[1]), _U8)
+            mask = _U8(self.qmax)
+            for g in range(self.group):
+                np.right_shift(packed, _U8(g * self.bits), out=parts[:, g])
+                if g < self.group - 1:
+                    np.bitwise_and(parts[:, g], mask, out=parts[:, g])
+            q = parts.reshape(nl, -1)[:, :n]
+        # Same trick as encode: dequantize token-major [T, L, C] so the affine map broadcasts over
+        # the outer axis, then one transposing copy into the caller's [L, 2, H, T, D] view (a
+        # strided slot of a context buffer is touched once, write-only).
+        x = _scratch.get("xt", (t, nl, 2, h, d), _F32).reshape(t, nl, c)  # shared with encode
+        np.copyto(x, q.reshape(nl, t, c).transpose(1, 0, 2))
+        x *= s
+        x += z
+        xv = x.reshape(t, nl, 2, h, d).transpose(1, 2, 3, 0, 4)
+        if enc.dtype == "float32":
+            np.copyto(out, xv)
+        else:
+            _store_f32(xv, out, enc.dtype)
+
+    def scales(self, enc: EncodedChunk) -> np.ndarray:
+        """Stored per-channel scales [L,2,H,1,D] as float32 (the error bound is half of them)."""
+        nl, _, h, _, d = enc.shape
+        pdt = PARAM_DTYPES[enc.params]
+        c = 2 * h * d
+        return enc.payload[:, : 2 * c * pdt.itemsize].view(pdt)[:, c:].astype(_F32).reshape(
+            nl, 2, h, 1, d)
+
+
+#: the one registry of levels, by name
+CODECS: dict[str, _Codec] = {c.name: c for c in (
+    _Raw(), _Half("fp16", "float16"), _Half("bf16", "bfloat16"), _Quant(8), _Quant(4), _Quant(2))}
+
+
+def codec(level: str) -> _Codec:
+    """The codec registered under ``level``; UnknownLevelError lists the valid names."""
+    try:
+        return CODECS[level]
+    except (KeyError, TypeError):
+        raise UnknownLevelError(
+            f"unknown KV level {level!r}; valid levels: {', '.join(CODECS)}") from None
+
+
+def _check_shape(shape: Sequence[int]) -> tuple[int, int, int, int, int]:
+    if len(shape) != 5 or shape[1] != 2 or min(shape) < 1:
+        raise ValueError(f"KV chunk shape must be [L, 2, Hkv, T, D] with positive sizes, got {shape}")
+    return tuple(int(v) for v in shape)  # type: ignore[return-value]
+
+
+def nominal_bits(level: str, dtype: str = "float32") -> int:
+    """Nominal bits per value (raw: the compute dtype's width) for the compression planner."""
+    return codec(level).nominal_bits(dtype)
+
+
+def stored_nbytes(level: str, shape: Sequence[int], dtype: str = "float32",
+                  params: str = "f16") -> int:
+    """Payload bytes of a chunk of ``shape`` at ``level`` including scales and zero points.
+
+    This is before lz4 (which gains little on quantized data) and without the file header.
+    """
+    shape = _check_shape(shape)
+    return shape[0] * codec(level).record_nbytes(shape[1:], dtype, params)
+
+
+def encode(kv: np.ndarray, level: str, *, dtype: str | None = None,
+           first_layer: int = 0) -> EncodedChunk:
+    """Encode ``kv`` [L,2,Hkv,T,D] (compute dtype; uint16 = bfloat16 bits) at ``level``."""
+    c = codec(level)
+    shape = _check_shape(kv.shape)
+    dtype = dtype or dtype_name(kv)
+    if COMPUTE_DTYPES[dtype] != kv.dtype:
+        raise ValueError(f"dtype {dtype!r} does not match array dtype {kv.dtype}")
+    payload, params = c.encode(kv, dtype)
+    return EncodedChunk(c.name, c.version, dtype, shape, first_layer, params,
+                        np.ascontiguousarray(payload))
+
+
+def decode(enc: EncodedChunk, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode into ``out`` (shape ``enc.shape``, compute dtype; any strides) and return it."""
+    c = codec(enc.level)
+    if enc.version != c.version:
+        raise ChunkVersionError(f"{enc.level} payload version {enc.version}; this code reads "
+                                f"version {c.version}")
+    want = COMPUTE_DTYPES[enc.dtype]
+    if enc.payload.dtype != _U8 or enc.payload.shape != (
+            enc.shape[0], c.record_nbytes(enc.shape[1:], enc.dtype, enc.params or "f16")):
+        raise CorruptChunkError(f"{enc.level} payload of shape {enc.payload.shape} does not fit "
+                                f"chunk shape {enc.shape}")
+    if out is None:
+        out = np.empty(enc.shape, want)
+    elif out.shape != tuple(enc.shape) or out.dtype != want:
+        raise ValueError(f"out must be {want} {tuple(enc.shape)}, got {out.dtype} {out.shape}")
+    c.decode(enc, out)
+    return out
+
+
+def scales(enc: EncodedChunk) -> np.ndarray:
+    """Per-channel scales [L,2,H,1,D] of a quantized chunk; max abs error is half of them."""
+    c = codec(enc.level)
+    if not isinstance(c, _Quant):
+        raise ValueError(f"level {enc.level!r} has no scales")
+    return c.scales(enc)
+
+
+def _map(fn: Callable, items: Iterable, executor: Executor | None) -> list:
+    return list(map(fn, items) if executor is None else executor.map(fn, items))
+
+
+def encode_many(kvs: Iterable[np.ndarray], level: str, *, executor: Executor | None = None,
+                dtype: str | None = None) -> list[EncodedChunk]:
+    """Encode several chunks, in parallel over ``executor`` (e.g. a 2-thread pool) when given."""
+    return _map(lambda kv: encode(kv, level, dtype=dtype), kvs, executor)
+
+
+def decode_many(encs: Sequence[EncodedChunk], outs: Sequence[np.ndarray], *,
+                executor: Executor | None = None) -> list[np.ndarray]:
+    """Decode several chunks into their ``outs``, in parallel over ``executor`` when given."""
+    if len(encs) != len(outs):
+        raise ValueError(f"{len(encs)} chunks but {len(outs)} outputs")
+    return _map(lambda pair: decode(*pair), zip(encs, outs), executor)

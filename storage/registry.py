@@ -1,0 +1,508 @@
+"""The context registry: apps, contexts (token ids and text) and chunk states, in embedded SQLite.
+
+The database runs in WAL mode with ``synchronous=FULL``: a committed transaction survives a crash
+of the process (and of the machine), and reopening after a crash gives the state of the last
+committed transaction. Every public method is one transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``);
+``with registry.transaction():`` groups several into one, all-or-nothing.
+
+Tables::
+
+    apps      name PK, token_sha256 UNIQUE (the token itself is never stored), created
+    contexts  id PK (server-made opaque hex), app -> apps, system_prompt, tokens (int32 LE blob),
+              text, created, last_used
+    chunks    (context -> contexts, idx) PK, state, level, file, checksum, nbytes, density, last_use
+
+Chunk states: ``resident`` (in the memory pool only), ``swapped`` (in a file only), ``both``
+(resident with a clean copy in a file), ``missing`` (neither: recompute it from the token ids).
+Rows in ``swapped``/``both`` name their file and its checksum; the others name none.
+
+Protocol with the chunk store (what makes crashes safe): write the chunk file first, then commit its
+row. So a file is always as new as its row or newer; :meth:`Registry.verify` adopts a valid newer
+file, marks rows whose file is missing or corrupt for recompute, and lists files no row names.
+
+Timestamps come from the injected ``clock`` (seconds). This module deliberately knows nothing about
+policies (which chunk to evict or compress: the memory governor decides and calls ``mark_chunks``),
+nor about KV data: it records who owns what and where it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from storage.chunkfile import ChunkStore
+from storage.codecs import codec
+from storage.errors import (AppExistsError, ChunkNotFoundError, ContextLimitError, InvalidKeyError,
+                            RegistryError, StorageError, UnknownAppError, UnknownChunkError,
+                            UnknownContextError)
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS apps (
+    name TEXT PRIMARY KEY,
+    token_sha256 TEXT NOT NULL UNIQUE,
+    created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS contexts (
+    id TEXT PRIMARY KEY,
+    app TEXT NOT NULL REFERENCES apps(name) ON DELETE CASCADE,
+    system_prompt TEXT NOT NULL,
+    tokens BLOB NOT NULL,
+    text TEXT NOT NULL,
+    created REAL NOT NULL,
+    last_used REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS contexts_by_app ON contexts(app, created);
+CREATE TABLE IF NOT EXISTS chunks (
+    context TEXT NOT NULL REFERENCES contexts(id) ON DELETE CASCADE,
+    idx INTEGER NOT NULL CHECK (idx >= 0),
+    state TEXT NOT NULL CHECK (state IN ('resident', 'swapped', 'both', 'missing')),
+    level TEXT NOT NULL,
+    file TEXT,
+    checksum TEXT,
+    nbytes INTEGER NOT NULL DEFAULT 0,
+    density REAL NOT NULL DEFAULT 0,
+    last_use REAL NOT NULL,
+    CHECK ((state IN ('swapped', 'both')) = (file IS NOT NULL)),
+    PRIMARY KEY (context, idx)) WITHOUT ROWID;
+"""
+
+
+class ChunkState(str, enum.Enum):
+    """Where a chunk's KV lives."""
+
+    RESIDENT = "resident"  # memory pool only
+    SWAPPED = "swapped"  # chunk file only
+    BOTH = "both"  # memory pool, with a clean copy in a file
+    MISSING = "missing"  # nowhere: recompute from the token ids
+
+    @property
+    def on_disk(self) -> bool:
+        return self in (ChunkState.SWAPPED, ChunkState.BOTH)
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryConfig:
+    """Tunables of the registry."""
+
+    chunk_tokens: int = 16  # tokens per chunk (tokens); chunk i covers [i*n, (i+1)*n)
+    max_contexts_per_app: int = 0  # contexts one app may hold (contexts); 0: unlimited
+    busy_timeout_s: float = 10.0  # wait for another connection's write lock (seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class ContextSummary:
+    """A context without its tokens and text."""
+
+    id: str  # opaque hex id
+    app: str  # owner app name
+    n_tokens: int  # tokens so far (tokens)
+    created: float  # clock seconds
+    last_used: float  # clock seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """A context with everything recompute needs."""
+
+    id: str  # opaque hex id
+    app: str  # owner app name
+    system_prompt: str
+    token_ids: np.ndarray  # int32 [n_tokens], read-only: the source of truth for recompute
+    text: str  # decoded text of everything so far (for display; never re-tokenized)
+    created: float  # clock seconds
+    last_used: float  # clock seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One chunk row."""
+
+    context: str  # context id
+    index: int  # chunk index
+    state: ChunkState
+    level: str  # codec level of the (resident or stored) copy
+    file: str | None  # chunk file name relative to the store root, when state.on_disk
+    checksum: str | None  # the file's checksum (ChunkMeta.checksum), when state.on_disk
+    nbytes: int  # bytes of the file (0 when none)
+    density: float  # information density (LLMS Eq. 1)
+    last_use: float  # clock seconds
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """What :meth:`Registry.verify` found (chunk keys are (context id, chunk index))."""
+
+    checked: int = 0  # rows that named a file
+    missing: list[tuple[str, int]] = field(default_factory=list)  # file gone: marked for recompute
+    corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (ctx, idx, error code)
+    adopted: list[tuple[str, int]] = field(default_factory=list)  # a valid newer file was adopted
+    orphans: list[str] = field(default_factory=list)  # files no row names (caller may delete)
+
+    @property
+    def marked(self) -> int:
+        return len(self.missing) + len(self.corrupt)
+
+
+def _token_blob(ids: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError("token ids must be a 1-D sequence of ints")
+    if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
+        raise ValueError("token ids must lie in [0, 2^31)")
+    return arr.astype("<i4").tobytes()
+
+
+def _tokens(blob: bytes) -> np.ndarray:
+    return np.frombuffer(blob, "<i4")
+
+
+class Registry:
+    """Apps, contexts and chunk rows in one SQLite file. Thread-safe (one connection, one lock)."""
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.time,
+                 config: RegistryConfig | None = None):
+        self.config = config or RegistryConfig()
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._depth = 0  # nesting of transaction()
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                   timeout=self.config.busy_timeout_s)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        with self.transaction():
+            for statement in _SCHEMA.split(";"):  # executescript would COMMIT our transaction
+                if statement.strip():
+                    self._db.execute(statement)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
+                raise RegistryError(f"registry schema {row[0]}; this code reads {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """All-or-nothing: commits when the block ends, rolls back on any exception. Nests."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self._db.execute("BEGIN IMMEDIATE")
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            else:
+                self._db.execute("COMMIT")
+            finally:
+                self._depth = 0
+
+    def _q(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        return self._db.execute(sql, args)
+
+    # -- apps ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _hash(token: str) -> str:
+        return hashlib.sha256(token.encode()).hexdigest()
+
+    def create_app(self, name: str) -> str:
+        """Register an app and return its bearer token (only its sha256 is stored)."""
+        if not isinstance(name, str) or not 1 <= len(name) <= 128 or not name.isprintable():
+            raise InvalidKeyError("app name must be 1-128 printable characters")
+        token = secrets.token_urlsafe(32)
+        with self.transaction():
+            try:
+                self._q("INSERT INTO apps VALUES (?, ?, ?)", (name, self._hash(token), self._clock()))
+            except sqlite3.IntegrityError:
+                raise AppExistsError(f"app {name!r} exists") from None
+        return token
+
+    def app_for_token(self, token: str) -> str:
+        """The name of the app holding ``token``; UnknownAppError otherwise."""
+        if not isinstance(token, str):
+            raise UnknownAppError("unknown token")
+        with self._lock:
+            row = self._q("SELECT name FROM apps WHERE token_sha256=?", (self._hash(token),)).fetchone()
+        if row is None:
+            raise UnknownAppError("unknown token")
+        return row[0]
+
+    def apps(self) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._q("SELECT name FROM apps ORDER BY name")]
+
+    def delete_app(self, name: str) -> list[str]:
+        """Delete an app, its contexts and chunk rows; returns the chunk files to delete."""
+        with self.transaction():
+            files = [r[0] for r in self._q(
+                "SELECT c.file FROM chunks c JOIN contexts x ON c.context = x.id "
+                "WHERE x.app=? AND c.file IS NOT NULL", (name,))]
+            if self._q("DELETE FROM apps WHERE name=?", (name,)).rowcount == 0:
+                raise UnknownAppError(f"no app {name!r}")
+        return files
+
+    # -- contexts ------------------------------------------------------------------------------------
+
+    def create_context(self, app: str, system_prompt: str = "") -> str:
+        """Create an empty context owned by ``app``; returns its id (32 hex digits)."""
+        ctx = secrets.token_hex(16)
+        now = self._clock()
+        with self.transaction():
+            if self._q("SELECT 1 FROM apps WHERE name=?", (app,)).fetchone() is None:
+                raise UnknownAppError(f"no app {app!r}")
+            limit = self.config.max_contexts_per_app
+            if limit and self._q("SELECT COUNT(*) FROM contexts WHERE app=?",
+                                 (app,)).fetchone()[0] >= limit:
+                raise ContextLimitError(f"app {app!r} already holds {limit} contexts")
+            self._q("INSERT INTO contexts VALUES (?, ?, ?, ?, '', ?, ?)",
+                    (ctx, app, system_prompt, b"", now, now))
+        return ctx
+
+    def _ctx_row(self, ctx: str, app: str | None, cols: str) -> tuple:
+        row = self._q(f"SELECT app, {cols} FROM contexts WHERE id=?", (ctx,)).fetchone()
+        if row is None or (app is not None and row[0] != app):
+            raise UnknownContextError("unknown context")  # another app's context looks the same
+        return row
+
+    def get_context(self, ctx: str, app: str | None = None) -> Context:
+        """The context ``ctx`` (and, when ``app`` is given, only if that app owns it)."""
+        with self._lock:
+            row = self._ctx_row(ctx, app, "system_prompt, tokens, text, created, last_used")
+        return Context(ctx, row[0], row[1], _tokens(row[2]), row[3], row[4], row[5])
+
+    def list_contexts(self, app: str) -> list[ContextSummary]:
+        """The app's contexts, oldest first."""
+        with self._lock:
+            rows = self._q("SELECT id, app, length(tokens) / 4, created, last_used FROM contexts "
+                           "WHERE app=? ORDER BY created, id", (app,)).fetchall()
+        return [ContextSummary(*r) for r in rows]
+
+    def touch(self, ctx: str) -> None:
+        """Record a use of the context now."""
+        with self.transaction():
+            if self._q("UPDATE contexts SET last_used=? WHERE id=?",
+                       (self._clock(), ctx)).rowcount == 0:
+                raise UnknownContextError("unknown context")
+
+    def append_tokens(self, ctx: str, ids: Sequence[int] | np.ndarray, text: str) -> int:
+        """Append token ids and their text to the context; returns the new length (tokens)."""
+        blob = _token_blob(ids)
+        with self.transaction():
+            row = self._ctx_row(ctx, None, "tokens, text")
+            tokens = row[1] + blob
+            self._q("UPDATE contexts SET tokens=?, text=?, last_used=? WHERE id=?",
+                    (tokens, row[2] + text, self._clock(), ctx))
+        return len(tokens) // 4
+
+    def set_tokens(self, ctx: str, ids: Sequence[int] | np.ndarray, text: str) -> list[str]:
+        """Replace the context's tokens and text.
+
+        Chunk rows from the first changed token on no longer describe the context: they are
+        deleted, and their chunk files are returned for the caller to delete.
+        """
+        blob = _token_blob(ids)
+        with self.transaction():
+            old = self._ctx_row(ctx, None, "tokens")[1]
+            n = min(len(old), len(blob)) // 4
+            a, b = _tokens(old)[:n], _tokens(blob)[:n]
+            diff = np.flatnonzero(a != b)
+            same = int(diff[0]) if diff.size else n
+            if len(blob) < len(old) or diff.size:
+                first_stale = same // self.config.chunk_tokens
+            else:
+                first_stale = None
+            files: list[str] = []
+            if first_stale is not None:
+                files = [r[0] for r in self._q(
+                    "SELECT file FROM chunks WHERE context=? AND idx>=? AND file IS NOT NULL",
+                    (ctx, first_stale))]
+                self._q("DELETE FROM chunks WHERE context=? AND idx>=?", (ctx, first_stale))
+            self._q("UPDATE contexts SET tokens=?, text=?, last_used=? WHERE id=?",
+                    (blob, text, self._clock(), ctx))
+        return files
+
+    def delete_context(self, ctx: str, app: str | None = None) -> list[str]:
+        """Delete a context and its chunk rows; returns the chunk files to delete."""
+        with self.transaction():
+            self._ctx_row(ctx, app, "id")
+            files = [r[0] for r in self._q(
+                "SELECT file FROM chunks WHERE context=? AND file IS NOT NULL", (ctx,))]
+            self._q("DELETE FROM contexts WHERE id=?", (ctx,))
+        return files
+
+    # -- chunks --------------------------------------------------------------------------------------
+
+    def upsert_chunk(self, ctx: str, index: int, *, state: ChunkState | str, level: str,
+                     file: str | None = None, checksum: str | None = None, nbytes: int = 0,
+                     density: float | None = None) -> ChunkRecord:
+        """Insert or replace one chunk row (density kept when None); last_use is now."""
+        state = ChunkState(state)
+        codec(level)  # UnknownLevelError lists the valid names
+        if state.on_disk != (file is not None) or (file is None) != (checksum is None):
+            raise ValueError(f"state {state.value} {'needs' if state.on_disk else 'takes no'} "
+                             "file and checksum")
+        if type(index) is not int or index < 0:
+            raise InvalidKeyError("chunk index must be an int >= 0")
+        now = self._clock()
+        with self.transaction():
+            self._ctx_row(ctx, None, "id")
+            if density is None:
+                row = self._q("SELECT density FROM chunks WHERE context=? AND idx=?",
+                              (ctx, index)).fetchone()
+                density = row[0] if row else 0.0
+            self._q("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (ctx, index, state.value, level, file, checksum,
+                     nbytes if file else 0, float(density), now))
+        return ChunkRecord(ctx, index, state, level, file, checksum, nbytes if file else 0,
+                           float(density), now)
+
+    def chunks(self, ctx: str) -> list[ChunkRecord]:
+        """Chunk rows of a context by index."""
+        with self._lock:
+            rows = self._q("SELECT * FROM chunks WHERE context=? ORDER BY idx", (ctx,)).fetchall()
+        return [ChunkRecord(r[0], r[1], ChunkState(r[2]), *r[3:]) for r in rows]
+
+    def chunk(self, ctx: str, index: int) -> ChunkRecord:
+        with self._lock:
+            r = self._q("SELECT * FROM chunks WHERE context=? AND idx=?", (ctx, index)).fetchone()
+        if r is None:
+            raise UnknownChunkError(f"no chunk {index} of context {ctx}")
+        return ChunkRecord(r[0], r[1], ChunkState(r[2]), *r[3:])
+
+    def mark_chunks(self, ctx: str, indices: Iterable[int], state: ChunkState | str, *,
+                    level: str | None = None, density: float | None = None,
+                    touch: bool = False) -> list[str]:
+        """Set the state (and optionally level/density/last use) of several chunks at once.
+
+        Moving to a state without a file (resident, missing) clears file, checksum and nbytes and
+        returns the dropped file names for the caller to delete. Moving to ``swapped``/``both``
+        keeps the row's file and is refused for a row without one. Unknown indices raise
+        UnknownChunkError and change nothing.
+        """
+        state = ChunkState(state)
+        if level is not None:
+            codec(level)
+        dropped: list[str] = []
+        with self.transaction():
+            for i in indices:
+                r = self._q("SELECT file FROM chunks WHERE context=? AND idx=?", (ctx, i)).fetchone()
+                if r is None:
+                    raise UnknownChunkError(f"no chunk {i} of context {ctx}")
+                if state.on_disk and r[0] is None:
+                    raise ValueError(f"chunk {i} has no file; write it with upsert_chunk")
+                if not state.on_disk and r[0] is not None:
+                    dropped.append(r[0])
+                sets, args = ["state=?"], [state.value]
+                if not state.on_disk:
+                    sets.append("file=NULL, checksum=NULL, nbytes=0")
+                if level is not None:
+                    sets.append("level=?")
+                    args.append(level)
+                if density is not None:
+                    sets.append("density=?")
+                    args.append(float(density))
+                if touch:
+                    sets.append("last_use=?")
+                    args.append(self._clock())
+                self._q(f"UPDATE chunks SET {', '.join(sets)} WHERE context=? AND idx=?",
+                        (*args, ctx, i))
+        return dropped
+
+    def drop_resident(self) -> int:
+        """After a restart nothing is in memory: resident -> missing, both -> swapped."""
+        with self.transaction():
+            n = self._q("UPDATE chunks SET state='missing' WHERE state='resident'").rowcount
+            n += self._q("UPDATE chunks SET state='swapped' WHERE state='both'").rowcount
+        return n
+
+    # -- consistency with the chunk files ------------------------------------------------------------
+
+    def verify(self, store: ChunkStore, *, deep: bool = True) -> VerifyReport:
+        """Check every row against its chunk file and repair the rows (one transaction).
+
+        - the file is missing or fails its checks (``deep``: every frame is decompressed and
+          checksummed; otherwise header and size only): the row is marked for recompute
+          (swapped -> missing, both -> resident; file cleared);
+        - a valid file for the row's chunk with another checksum, or a valid file for a row that
+          names none, is newer than the row (files are written before rows): the row adopts it;
+        - files that no row names are listed in ``orphans`` (not deleted here).
+        """
+        report = VerifyReport()
+        ct = self.config.chunk_tokens
+        with self.transaction():
+            rows = self._q("SELECT context, idx, state, file, checksum FROM chunks").fetchall()
+            named: set[str] = set()
+            for ctx, idx, state, file, checksum in rows:
+                state = ChunkState(state)
+                name = store.file_name(ctx, idx)
+                try:
+                    meta = store.check(ctx, idx) if deep else store.read_meta(ctx, idx)
+                except ChunkNotFoundError:
+                    if state.on_disk:
+                        report.checked += 1
+                        report.missing.append((ctx, idx))
+                        self._unfile(ctx, idx, state)
+                    continue
+                except StorageError as e:
+                    report.checked += state.on_disk
+                    named.add(name)  # a bad file of a known chunk is not an orphan
+                    if state.on_disk:
+                        report.corrupt.append((ctx, idx, e.code))
+                        self._unfile(ctx, idx, state)
+                    else:
+                        report.orphans.append(name)
+                    continue
+                named.add(name)
+                report.checked += state.on_disk
+                h = meta.header
+                if (state.on_disk and meta.checksum == checksum and file == name):
+                    continue
+                if h.token_start != idx * ct or h.token_end > (idx + 1) * ct:
+                    report.corrupt.append((ctx, idx, "chunk_range"))
+                    if state.on_disk:
+                        self._unfile(ctx, idx, state)
+                    continue
+                new_state = {ChunkState.RESIDENT: ChunkState.BOTH,
+                             ChunkState.MISSING: ChunkState.SWAPPED}.get(state, state)
+                self._q("UPDATE chunks SET state=?, level=?, file=?, checksum=?, nbytes=? "
+                        "WHERE context=? AND idx=?",
+                        (new_state.value, h.level, name, meta.checksum, meta.nbytes, ctx, idx))
+                report.adopted.append((ctx, idx))
+            for key in store.contexts():
+                for i in store.indices(key):
+                    name = store.file_name(key, i)
+                    if name not in named:
+                        report.orphans.append(name)
+        return report
+
+    def _unfile(self, ctx: str, idx: int, state: ChunkState) -> None:
+        new = ChunkState.RESIDENT if state is ChunkState.BOTH else ChunkState.MISSING
+        self._q("UPDATE chunks SET state=?, file=NULL, checksum=NULL, nbytes=0 "
+                "WHERE context=? AND idx=?", (new.value, ctx, idx))
+

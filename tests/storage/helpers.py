@@ -1,0 +1,18 @@
+"""Synthetic K/V for storage tests: per-channel offsets and spreads like real keys and values."""
+
+from __future__ import annotations
+
+import numpy as np
+
+SHAPE = (30, 2, 3, 16, 64)  # the default model's chunk: [L, 2, Hkv, T, D]
+
+
+def synthetic_kv(shape=SHAPE, seed: int = 0, dtype=np.float32) -> np.ndarray:
+    """[L, 2, Hkv, T, D] with a per-channel offset, a per-channel spread and a few outliers."""
+    rng = np.random.default_rng(seed)
+    nl, two, h, t, d = shape
+    offset = rng.normal(0, 2, (nl, two, h, 1, d))
+    spread = rng.uniform(0.05, 3, (nl, two, h, 1, d))
+    kv = offset + spread * rng.standard_normal(shape)
+    kv.flat[rng.integers(0, kv.size, 8)] *= 20  # outliers
+    return kv.astype(dtype)
