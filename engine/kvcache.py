@@ -1,7 +1,10 @@
 """A context's K/V working buffer, addressed in fixed-size chunks.
 
-K and V live in two contiguous tensors `[L, Hkv, capacity, D]` so attention reads one strided view per
-layer; the slot of a token is its position in the context. The buffer is divided into chunks of
+K and V live in one tensor `kv: [L, 2, Hkv, capacity, D]`, so attention reads one strided view per layer
+(`k[layer]`, `v[layer]`) and a chunk's slots `kv[:, :, :, s:e]` have exactly the layout of the storage
+codecs, which decode straight into them. The slot of a token is its position in the context. The
+tensor may wrap an external buffer (e.g. shared memory that a recompute worker in another process
+writes into); such a cache has a fixed capacity. The buffer is divided into chunks of
 `chunk_tokens` slots. A chunk can be exported as a numpy array `[L, 2, Hkv, T, D]` (the layout the storage
 codecs use), dropped, and put back, whole or one layer at a time.
 
@@ -34,18 +37,38 @@ class KVCache:
         self.device = device
         self.dtype = dtype
         cap = round_up(max(capacity, chunk_tokens), chunk_tokens)
-        shape = (cfg.n_layers, cfg.n_kv_heads, cap, cfg.head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)  # k: [L, Hkv, cap, D]
-        self.v = torch.empty(shape, device=device, dtype=dtype)  # v: [L, Hkv, cap, D]
+        shape = (cfg.n_layers, 2, cfg.n_kv_heads, cap, cfg.head_dim)
+        self.kv = torch.empty(shape, device=device, dtype=dtype)  # kv: [L, 2, Hkv, cap, D]
+        self.fixed = False
+        """True when `kv` wraps an external buffer: no growth."""
         self.length = 0
         """Slots in use (tokens of the context with K/V here or missing), in tokens."""
         self.missing: set[int] = set()
         """Chunk indices whose slots hold no valid K/V."""
 
+    @classmethod
+    def wrap(cls, cfg: ModelConfig, buffer: torch.Tensor, *, chunk_tokens: int) -> "KVCache":
+        """A cache over an existing `[L, 2, Hkv, capacity, D]` tensor (not copied, never grown)."""
+        expect = (cfg.n_layers, 2, cfg.n_kv_heads, buffer.shape[3], cfg.head_dim)
+        if tuple(buffer.shape) != expect:
+            raise ValueError(f"KV buffer shape {tuple(buffer.shape)} does not match {expect}")
+        c = cls.__new__(cls)
+        c.cfg, c.chunk_tokens, c.device, c.dtype = cfg, chunk_tokens, buffer.device, buffer.dtype
+        c.kv, c.fixed, c.length, c.missing = buffer, True, 0, set()
+        return c
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, 0]  # [L, Hkv, cap, D]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]  # [L, Hkv, cap, D]
+
     # ---- geometry -------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[3]
 
     @property
     def n_chunks(self) -> int:
@@ -60,19 +83,19 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of the buffer as allocated (both K and V)."""
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.kv.numel() * self.kv.element_size()
 
     def ensure_capacity(self, n_tokens: int) -> None:
         """Grow (by doubling, in whole chunks) so that `n_tokens` slots fit."""
         if n_tokens <= self.capacity:
             return
+        if self.fixed:
+            raise ValueError(f"context of {n_tokens} tokens exceeds the working set of {self.capacity}")
         cap = round_up(max(n_tokens, 2 * self.capacity), self.chunk_tokens)
-        shape = (self.cfg.n_layers, self.cfg.n_kv_heads, cap, self.cfg.head_dim)
-        k = torch.empty(shape, device=self.device, dtype=self.dtype)
-        v = torch.empty(shape, device=self.device, dtype=self.dtype)
-        k[:, :, : self.length].copy_(self.k[:, :, : self.length])
-        v[:, :, : self.length].copy_(self.v[:, :, : self.length])
-        self.k, self.v = k, v
+        shape = (self.cfg.n_layers, 2, self.cfg.n_kv_heads, cap, self.cfg.head_dim)
+        kv = torch.empty(shape, device=self.device, dtype=self.dtype)
+        kv[:, :, :, : self.length].copy_(self.kv[:, :, :, : self.length])
+        self.kv = kv
 
     def reserve(self, n_tokens: int) -> int:
         """Extend `length` by `n_tokens` slots (to be written by a forward pass); return the first slot."""
@@ -87,40 +110,36 @@ class KVCache:
         self.missing = {i for i in self.missing if i < self.n_chunks}
 
     # ---- chunk moves --------------------------------------------------------------------------
+    def chunk_view(self, i: int) -> torch.Tensor:
+        """Chunk `i`'s slots as a view `[L, 2, Hkv, T, D]` (no copy)."""
+        s, e = self.chunk_range(i)
+        return self.kv[:, :, :, s:e]
+
     def export_chunk(self, i: int) -> np.ndarray:
         """A copy of chunk `i` as `[L, 2, Hkv, T, D]` in the compute dtype (bf16 as a uint16 view)."""
         self._check_present(i)
-        s, e = self.chunk_range(i)
-        kv = torch.stack((self.k[:, :, s:e], self.v[:, :, s:e]), dim=1)  # [L, 2, Hkv, T, D]
-        return _to_numpy(kv)
+        return _to_numpy(self.chunk_view(i))
 
     def export_chunk_layer(self, i: int, layer: int) -> np.ndarray:
         """A copy of one layer of chunk `i` as `[2, Hkv, T, D]`."""
         self._check_present(i)
-        s, e = self.chunk_range(i)
-        return _to_numpy(torch.stack((self.k[layer, :, s:e], self.v[layer, :, s:e])))
+        return _to_numpy(self.chunk_view(i)[layer])
 
     def drop_chunk(self, i: int) -> None:
         """Mark chunk `i` missing and poison its slots."""
-        s, e = self.chunk_range(i)
-        self.k[:, :, s:e] = float("nan")
-        self.v[:, :, s:e] = float("nan")
+        self.chunk_view(i).fill_(float("nan"))
         self.missing.add(i)
 
     def put_chunk(self, i: int, kv: np.ndarray | torch.Tensor) -> None:
         """Write chunk `i` from `[L, 2, Hkv, T, D]` and mark it present."""
-        s, e = self.chunk_range(i)
-        t = self._as_tensor(kv, (self.cfg.n_layers, 2, self.cfg.n_kv_heads, e - s, self.cfg.head_dim))
-        self.k[:, :, s:e].copy_(t[:, 0])
-        self.v[:, :, s:e].copy_(t[:, 1])
+        view = self.chunk_view(i)
+        view.copy_(self._as_tensor(kv, tuple(view.shape)))
         self.missing.discard(i)
 
     def put_chunk_layer(self, i: int, layer: int, kv: np.ndarray | torch.Tensor) -> None:
         """Write one layer `[2, Hkv, T, D]` of chunk `i`; the chunk stays missing until `mark_present`."""
-        s, e = self.chunk_range(i)
-        t = self._as_tensor(kv, (2, self.cfg.n_kv_heads, e - s, self.cfg.head_dim))
-        self.k[layer, :, s:e].copy_(t[0])
-        self.v[layer, :, s:e].copy_(t[1])
+        view = self.chunk_view(i)[layer]
+        view.copy_(self._as_tensor(kv, tuple(view.shape)))
 
     def mark_present(self, chunks) -> None:
         self.missing.difference_update(chunks)

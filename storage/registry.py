@@ -73,6 +73,10 @@ CREATE TABLE IF NOT EXISTS chunks (
     last_use REAL NOT NULL,
     CHECK ((state IN ('swapped', 'both')) = (file IS NOT NULL)),
     PRIMARY KEY (context, idx)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS context_state (
+    context TEXT PRIMARY KEY REFERENCES contexts(id) ON DELETE CASCADE,
+    state TEXT NOT NULL,
+    density BLOB NOT NULL);
 """
 
 
@@ -346,6 +350,25 @@ class Registry:
             self._q("UPDATE contexts SET tokens=?, text=?, last_used=? WHERE id=?",
                     (blob, text, self._clock(), ctx))
         return files
+
+    def save_state(self, ctx: str, ids: Sequence[int] | np.ndarray, text: str, state: str,
+                   density: bytes = b"") -> list[str]:
+        """Commit a call's outcome in one transaction: the token ids and text (as ``set_tokens``,
+        returning stale chunk files) and the executor's opaque per-context state (a JSON string:
+        conversation turns, how many tokens have K/V) with its density blob."""
+        if not isinstance(state, str) or not isinstance(density, (bytes, bytearray)):
+            raise ValueError("state must be a str and density bytes")
+        with self.transaction():
+            files = self.set_tokens(ctx, ids, text)
+            self._q("INSERT OR REPLACE INTO context_state VALUES (?, ?, ?)", (ctx, state, bytes(density)))
+        return files
+
+    def load_state(self, ctx: str) -> tuple[str, bytes] | None:
+        """The state saved by ``save_state`` (None for a context that never completed a call)."""
+        with self._lock:
+            self._ctx_row(ctx, None, "id")
+            row = self._q("SELECT state, density FROM context_state WHERE context=?", (ctx,)).fetchone()
+        return (row[0], bytes(row[1])) if row else None
 
     def delete_context(self, ctx: str, app: str | None = None) -> list[str]:
         """Delete a context and its chunk rows; returns the chunk files to delete."""

@@ -27,8 +27,7 @@ def base(engine):
 
 def clone_cache(engine, cache):
     c = engine.model.new_cache(cache.capacity)
-    c.k.copy_(cache.k)
-    c.v.copy_(cache.v)
+    c.kv.copy_(cache.kv)
     c.length = cache.length
     c.missing = set(cache.missing)
     return c

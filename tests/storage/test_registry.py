@@ -324,3 +324,21 @@ def test_verify_adopts_a_file_newer_than_its_row(reg, store):
     assert (r0.state, r0.level, r0.checksum) == (ChunkState.SWAPPED, "q4", newer.checksum)
     assert (r1.state, r1.level, r1.checksum, r1.file) == (ChunkState.SWAPPED, "q2", first.checksum,
                                                          first.name)
+
+
+def test_save_state_commits_tokens_and_state_together(tmp_path):
+    from storage.registry import Registry
+
+    reg = Registry(tmp_path / "r.db")
+    reg.create_app("a")
+    ctx = reg.create_context("a")
+    assert reg.load_state(ctx) is None
+    reg.save_state(ctx, [1, 2, 3], "abc", '{"kv_tokens": 2}', b"\x00" * 16)
+    assert reg.get_context(ctx).token_ids.tolist() == [1, 2, 3]
+    assert reg.load_state(ctx) == ('{"kv_tokens": 2}', b"\x00" * 16)
+    with pytest.raises(ValueError):
+        reg.save_state(ctx, [4], "d", None)  # type: ignore[arg-type]
+    assert reg.get_context(ctx).token_ids.tolist() == [1, 2, 3]  # nothing half-written
+    reg.close()
+    again = Registry(tmp_path / "r.db")
+    assert again.load_state(ctx)[0] == '{"kv_tokens": 2}'
