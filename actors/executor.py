@@ -1,0 +1,268 @@
+"""The model executor: holds the active context's working set and runs calls (DESIGN.md §4 steps 1-6).
+
+One call: wait for the previous call's write-back, ask the governor to lock and plan, restore the
+context's K/V into the working set (resident chunks decoded, swapped chunks loaded, the rest
+recomputed), run the engine's prefill and decode, commit the new token ids, then encode the modified
+chunks and hand them to the governor (after the reply: ahead-of-time swap-out happens there).
+
+`switch_ms` is measured from the call's arrival until every K/V of the context can be attended in the
+compute dtype: it includes waiting for a pending write-back, eviction and on-demand writes done for
+this restore, reading, de-quantizing and recomputing; it excludes the new prompt's prefill and decode.
+
+The restore itself is delegated to a `restorer` (`InProcessRestorer` here; `actors.recompute` has the
+pipelined one). A plain class: `actors.service` makes it a Ray actor or calls it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from actors.governor import CallPlan
+from engine.chat import Conversation, Turn
+from engine.context import ContextEngine, Context as EngineContext
+from engine.density import DensityTracker
+from engine.kvcache import KVCache
+from storage import codecs
+
+
+@dataclass(slots=True)
+class RestoreStats:
+    resident: int = 0
+    """Chunks decoded from the pool."""
+    loaded: int = 0
+    """Chunks read from disk."""
+    loaded_bytes: int = 0
+    recomputed: int = 0
+    faults: int = 0
+    """Chunks whose file was missing or corrupt, recomputed instead."""
+    seconds: float = 0.0
+    timeline: list = field(default_factory=list)
+    """(what, layer or group, start, end) events, for pipeline tests."""
+
+
+@dataclass(slots=True)
+class CallOutcome:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    switch_ms: float
+    """Context switching latency (DESIGN.md §1)."""
+    restore: RestoreStats
+    predicted_restore_ms: float
+    ttft_s: float
+    total_s: float
+    prefilled_tokens: int
+    cached_tokens: int
+
+
+def density_blob(tr: DensityTracker) -> bytes:
+    return tr.sums.astype("<f8").tobytes() + tr.rows.astype("<i8").tobytes()
+
+
+def density_from_blob(blob: bytes, tr: DensityTracker) -> None:
+    n = len(blob) // 16
+    tr.sums = np.frombuffer(blob[: 8 * n], "<f8").copy()
+    tr.rows = np.frombuffer(blob[8 * n :], "<i8").copy()
+
+
+class InProcessRestorer:
+    """Restore in the executor's own process: decode resident chunks, read and decode loaded ones,
+    recompute the rest through all layers. The baseline the actor pipeline is compared against."""
+
+    def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h) -> None:
+        self.model = model
+        self.io = io
+        self.resolve = resolve
+
+    def restore(self, ws: KVCache, plan: CallPlan, stats: RestoreStats) -> list[tuple[int, Any, int]]:
+        kv = ws.kv.numpy() if ws.device.type == "cpu" else None
+        for i, _level, handle in plan.resident:
+            _decode_into(ws, kv, i, self.resolve(handle))
+            stats.resident += 1
+        loaded = []
+        recompute = list(plan.recompute)
+        if plan.load:
+            got, failed = self.io.read(plan.ctx, [i for i, _, _ in plan.load])
+            for i, enc in got.items():
+                _decode_into(ws, kv, i, enc)
+                loaded.append((i, enc, enc.nbytes))
+                stats.loaded_bytes += enc.nbytes
+            stats.loaded += len(got)
+            stats.faults += len(failed)
+            recompute += list(failed)
+        if recompute:
+            t = time.monotonic()
+            self.model.recompute(ws, plan.token_ids, sorted(recompute))
+            stats.timeline.append(("recompute", -1, t, time.monotonic()))
+            stats.recomputed += len(recompute)
+        return loaded
+
+
+def _decode_into(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk) -> None:
+    s, e = ws.chunk_range(i)
+    if kv is not None:
+        codecs.decode(enc, out=kv[:, :, :, s:e])
+    else:
+        ws.put_chunk(i, codecs.decode(enc))
+    ws.missing.discard(i)
+
+
+class ModelExecutor:
+    def __init__(
+        self,
+        engine: ContextEngine,
+        governor,
+        restorer,
+        *,
+        working_set: KVCache | None = None,
+        put: Callable[[codecs.EncodedChunk], Any] = lambda enc: enc,
+        background: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.gov = governor
+        self.restorer = restorer
+        self.put = put
+        self.chunk = engine.cfg.chunk_tokens
+        self.ws = working_set or self.model.new_cache(engine.limit)
+        self.ws_ctx: str | None = None
+        self.level_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[
+            self.model.dtype
+        ]
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="writeback") if background else None
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+
+    # ---- contexts ---------------------------------------------------------------------------------
+    def new_ctx(self, app: str, system_prompt: str | None = None) -> str:
+        ids = self.engine.tok.system_ids(system_prompt)
+        ctx = self.gov.new_ctx(app, system_prompt or "")
+        state = {"system_prompt": system_prompt, "turns": [], "kv_tokens": 0, "overflows": 0}
+        self.gov.registry.save_state(ctx, np.asarray(ids, dtype=np.int64), self.engine.tok.decode(ids), json.dumps(state), b"")
+        return ctx
+
+    def flush(self) -> None:
+        """Wait for the last call's write-back."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    # ---- a call -----------------------------------------------------------------------------------
+    def call(self, app: str | None, ctx_id: str, prompt: str, **params):
+        """Generator of text deltas; returns a `CallOutcome` (StopIteration.value)."""
+        with self._lock:
+            t0 = time.perf_counter()
+            self.flush()  # a pending write-back is waited for inside switch_ms
+            cached = self.ws_ctx == ctx_id and not self.ws.missing
+            plan = self.gov.begin_call(ctx_id, app, cached=cached)
+            try:
+                stats = RestoreStats()
+                if not cached:
+                    self._restore(plan, stats)
+                switch_ms = (time.perf_counter() - t0) * 1000
+                stats.seconds = switch_ms / 1000
+                if not cached:
+                    self.gov.record_restore(plan.predicted_s, stats.seconds)
+                ectx = self._engine_context(plan)
+                old_kv, old_overflows = ectx.cache.length, ectx.overflows
+                stream = self.engine.stream(ectx, prompt, **params)
+                yield from stream
+                r = stream.result
+                first_modified = 0 if ectx.overflows != old_overflows else old_kv // self.chunk
+                todo = self._commit(plan, ectx, first_modified, restored=list(plan.recompute))
+            except BaseException:
+                self.ws_ctx = None  # the working set may hold a half call: restore next time
+                self.gov.abort_call(ctx_id)
+                raise
+            self.ws_ctx = ctx_id
+            job = lambda: self._write_back(ctx_id, todo)  # noqa: E731
+            if self._bg is not None:
+                self._pending = self._bg.submit(job)
+            else:
+                job()
+        return CallOutcome(
+            text=r.text,
+            token_ids=r.token_ids,
+            finish_reason=r.finish_reason,
+            prompt_tokens=r.prompt_tokens,
+            completion_tokens=r.completion_tokens,
+            switch_ms=switch_ms,
+            restore=stats,
+            predicted_restore_ms=plan.predicted_s * 1000 if not cached else 0.0,
+            ttft_s=r.ttft_s,
+            total_s=time.perf_counter() - t0,
+            prefilled_tokens=r.prefilled_tokens,
+            cached_tokens=r.cached_tokens,
+        )
+
+    def _restore(self, plan: CallPlan, stats: RestoreStats) -> None:
+        ws = self.ws
+        self.ws_ctx = None
+        ws.truncate(0)
+        ws.reserve(plan.kv_tokens)
+        ws.missing = set(range(ws.n_chunks))
+        loaded = self.restorer.restore(ws, plan, stats)
+        if ws.missing:
+            raise RuntimeError(f"restore left chunks {sorted(ws.missing)} missing")
+        if loaded:
+            self.gov.loaded(plan.ctx, [(i, self.put(enc) if not _is_handle(enc) else enc, n) for i, enc, n in loaded])
+
+    def _engine_context(self, plan: CallPlan) -> EngineContext:
+        state = json.loads(plan.state) if plan.state else {"system_prompt": None, "turns": [], "overflows": 0}
+        conv = Conversation([Turn(t["role"], t["text"]) for t in state["turns"]])
+        if state.get("system_prompt") is not None and not conv.turns:
+            conv.turns.append(Turn("system", state["system_prompt"]))
+        tr = DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers)
+        density_from_blob(plan.density, tr)
+        return EngineContext(
+            id=plan.ctx,
+            system_prompt=state.get("system_prompt"),
+            token_ids=[int(t) for t in plan.token_ids],
+            conv=conv,
+            cache=self.ws,
+            density=tr,
+            overflows=state.get("overflows", 0),
+        )
+
+    def _commit(self, plan: CallPlan, ectx: EngineContext, first_modified: int, restored: list[int]) -> dict[int, str]:
+        state = {
+            "system_prompt": ectx.system_prompt,
+            "turns": [{"role": t.role, "text": t.text} for t in ectx.conv.turns],
+            "kv_tokens": ectx.cache.length,
+            "overflows": ectx.overflows,
+        }
+        text = self.engine.tok.decode(ectx.token_ids)
+        return self.gov.commit_call(
+            plan.ctx,
+            ectx.token_ids,
+            text,
+            json.dumps(state),
+            density_blob(ectx.density),
+            ectx.cache.length,
+            ectx.density.chunk_density(self.chunk),
+            first_modified,
+            restored,
+        )
+
+    def _write_back(self, ctx: str, todo: dict[int, str]) -> None:
+        """Encode the chunks the governor asked for and admit them to the pool (after the reply)."""
+        encoded, starts = [], {}
+        for i, level in sorted(todo.items()):
+            enc = codecs.encode(self.ws.export_chunk(i), level, dtype=self.level_dtype)
+            encoded.append((i, level, self.put(enc), enc.nbytes))
+            starts[i] = i * self.chunk
+        self.gov.admit(ctx, encoded, starts)
+
+
+def _is_handle(x) -> bool:
+    return not isinstance(x, codecs.EncodedChunk)

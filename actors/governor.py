@@ -1,0 +1,373 @@
+"""The memory governor: owner of the chunk table, locks, the eviction queue, the pool budget and the
+compression and restore plans (DESIGN.md §4, steps 2 and 5; LLMS §3.2-3.4).
+
+It is a plain class; `actors.service` makes it a Ray actor (requesting no CPU) or uses it directly in one
+process. Policies come from `scheduler/` and storage from `storage/`; this class only keeps the books
+and asks them. It never touches K/V data: a resident chunk is an opaque *handle* given by the executor
+(an `EncodedChunk` in one process, an `ObjectRef` to one under Ray), and its size in bytes as stored.
+Chunk files are written by the KV swap/IO worker, which the governor is handed as `io` (an object with
+`write(ctx, [(index, handle, token_start)]) -> [ChunkMeta-like dict]`).
+
+Invariants:
+- the bytes of resident handles the governor holds never exceed the pool budget after `admit`;
+- a chunk of a locked context (one a call is using) is never evicted;
+- a chunk's level only goes down; the way back up is recompute;
+- a chunk with state `swapped`/`both` has a valid file as far as the registry knows; `verify` at
+  start marks the others for recompute.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from scheduler.compression import CompressionPlanner
+from scheduler.errors import CapacityError
+from scheduler.eviction import EvictionQueue
+from scheduler.pipeline import CostProfile, MissingChunk, RestoreLog, plan_restore
+from scheduler.policies import PolicySet, get_policy
+from storage import codecs
+from storage.registry import ChunkState, Registry
+
+
+@dataclass(slots=True)
+class GovernorConfig:
+    pool_bytes: int = 256 << 20
+    """KV memory pool budget: bytes of resident chunks as stored (compressed)."""
+    chunk_tokens: int = 16
+    """Tokens per chunk."""
+    policy: str = "llms"
+    """Policy set name (scheduler.policies.POLICIES)."""
+    dtype: str = "float32"
+    """Compute dtype of the K/V (codec naming)."""
+
+
+@dataclass(slots=True)
+class Chunk:
+    """The governor's row for one chunk of one context."""
+
+    level: str
+    """Level of the resident handle or, when not resident, of the file."""
+    handle: Any = None
+    """Resident copy (opaque), or None."""
+    nbytes: int = 0
+    """Bytes of the resident copy as stored (0 when not resident)."""
+    file: str | None = None
+    """Chunk file name when a valid file holds this chunk's current content."""
+    file_nbytes: int = 0
+    """Size of that file in bytes."""
+    checksum: str | None = None
+    density: float = 0.0
+    """Information density (LLMS Eq. 1)."""
+
+
+@dataclass(slots=True)
+class CtxBook:
+    app: str
+    kv_tokens: int = 0
+    """Tokens of the context that have chunks (K/V computed at least once)."""
+    chunks: dict[int, Chunk] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CallPlan:
+    """What the executor needs to make a context's K/V attendable, and to run the call."""
+
+    ctx: str
+    token_ids: np.ndarray
+    """int32 token ids (the source of truth), including ids without K/V yet."""
+    state: str | None
+    """The executor's saved per-context state (JSON), None for a fresh context."""
+    density: bytes
+    kv_tokens: int
+    resident: list[tuple[int, str, Any]]
+    """(chunk index, level, handle) of chunks in the pool."""
+    load: list[tuple[int, str, str]]
+    """(chunk index, level, file name) to read from disk."""
+    recompute: list[int]
+    """Chunk indices to recompute from token ids."""
+    predicted_s: float = 0.0
+    """Predicted restore (pipeline) time, seconds."""
+    evicted_for_restore: int = 0
+    """Chunks evicted to make room for this restore."""
+    wrote_on_demand: int = 0
+    """Chunks written to disk during this call's switch (on-demand swap-out)."""
+
+
+class ContextBusyError(RuntimeError):
+    code = "context_busy"
+
+
+class MemoryGovernor:
+    def __init__(
+        self,
+        registry: Registry,
+        io,
+        config: GovernorConfig | None = None,
+        *,
+        profile: CostProfile | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        release: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.cfg = config or GovernorConfig()
+        self.policy: PolicySet = get_policy(self.cfg.policy)
+        self.registry = registry
+        self.io = io
+        self.clock = clock
+        self.release = release or (lambda handle: None)
+        self.queue = EvictionQueue(self.policy.eviction_strategy())
+        self.planner = CompressionPlanner(self.policy.compression_config(self.cfg.dtype))
+        self.profile = profile or CostProfile.fit([(1, 0.01), (100, 1.0)], [(1 << 20, 0.001), (100 << 20, 0.1)])
+        self.books: dict[str, CtxBook] = {}
+        self.locked: set[str] = set()
+        self.restores = RestoreLog(max_records=10_000)
+        self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "evictions": 0, "recomputed_chunks": 0,
+                      "fault_recomputes": 0, "killed_contexts": 0}
+        self._rebuild()
+
+    # ---- start-up --------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Rebuild the books from the registry after a start or restart: nothing is resident."""
+        self.registry.drop_resident()
+        for app in self.registry.apps():
+            for summary in self.registry.list_contexts(app):
+                book = CtxBook(app)
+                saved = self.registry.load_state(summary.id)
+                if saved is not None:
+                    book.kv_tokens = int(json.loads(saved[0]).get("kv_tokens", 0))
+                for r in self.registry.chunks(summary.id):
+                    ch = Chunk(level=r.level, density=r.density)
+                    if r.state.on_disk:
+                        ch.file, ch.file_nbytes, ch.checksum = r.file, r.nbytes, r.checksum
+                    book.chunks[r.index] = ch
+                self.books[summary.id] = book
+
+    # ---- contexts ---------------------------------------------------------------------------------
+    def new_ctx(self, app: str, system_prompt: str = "") -> str:
+        ctx = self.registry.create_context(app, system_prompt)
+        self.books[ctx] = CtxBook(app)
+        return ctx
+
+    def delete_ctx(self, ctx: str, app: str | None = None) -> None:
+        if ctx in self.locked:
+            raise ContextBusyError("context is in use by a call")
+        files = self.registry.delete_context(ctx, app)
+        book = self.books.pop(ctx, None)
+        if book is not None:
+            for i, ch in book.chunks.items():
+                self._drop_resident(ctx, i, ch)
+        self.io.delete_context(ctx)
+        del files
+
+    # ---- a call -----------------------------------------------------------------------------------
+    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False) -> CallPlan:
+        """Lock `ctx` and plan its restore (making room in the pool for what will be loaded).
+        `cached`: the executor's working set still holds this context whole, nothing to restore."""
+        row = self.registry.get_context(ctx, app)  # UnknownContextError for another app's context
+        if ctx in self.locked:
+            raise ContextBusyError("context is in use by another call")
+        book = self.books[ctx]
+        self.locked.add(ctx)
+        self.queue.lock(ctx)
+        try:
+            return self._plan(ctx, book, row, cached)
+        except BaseException:
+            self.abort_call(ctx)
+            raise
+
+    def _plan(self, ctx: str, book: CtxBook, row, cached: bool) -> CallPlan:
+        saved = self.registry.load_state(ctx)
+        n_chunks = 0 if cached else -(-book.kv_tokens // self.cfg.chunk_tokens)
+        resident, missing, forced = [], [], []
+        for i in range(n_chunks):
+            ch = book.chunks.get(i)
+            if ch is not None and ch.handle is not None:
+                resident.append((i, ch.level, ch.handle))
+                self.queue.touch((ctx, i), ch.level, ch.nbytes, self.clock())
+            elif ch is not None and ch.file is not None:
+                missing.append(MissingChunk(i, ch.level, ch.file_nbytes))
+            else:
+                missing.append(MissingChunk(i, ch.level if ch else "raw", 0))
+                forced.append(i)
+                if ch is not None and self.policy.on_pressure != "kill":
+                    self.stats["fault_recomputes"] += 1
+        plan = plan_restore(missing, self.profile, must_recompute=forced, allow_recompute=self.policy.recompute)
+        # loaded chunks become resident: make room now (on-demand writes happen here, in the switch)
+        need = sum(book.chunks[i].file_nbytes for i in plan.load)
+        evicted, wrote = self._make_room(need)
+        self.stats["swap_in_bytes"] += plan.load_bytes
+        self.stats["recomputed_chunks"] += len(plan.recompute)
+        return CallPlan(
+            ctx=ctx,
+            token_ids=np.array(row.token_ids, dtype=np.int32),
+            state=saved[0] if saved else None,
+            density=saved[1] if saved else b"",
+            kv_tokens=book.kv_tokens,
+            resident=resident,
+            load=[(i, book.chunks[i].level, book.chunks[i].file) for i in plan.load],
+            recompute=list(plan.recompute),
+            predicted_s=plan.predicted,
+            evicted_for_restore=evicted,
+            wrote_on_demand=wrote,
+        )
+
+    def record_restore(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s > 0 and measured_s > 0:
+            self.restores.record(predicted_s, measured_s)
+
+    def loaded(self, ctx: str, chunks: list[tuple[int, Any, int]]) -> None:
+        """Chunks read from disk during a restore are resident now: (index, handle, nbytes)."""
+        book = self.books[ctx]
+        for i, handle, nbytes in chunks:
+            ch = book.chunks[i]
+            self._set_resident(ctx, i, ch, handle, nbytes)
+
+    def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
+                    chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None) -> dict[int, str]:
+        """Make the call's new token ids durable (before the reply completes) and plan compression.
+
+        `first_modified` is the first chunk whose K/V the call changed (the old partial chunk, or 0
+        after an overflow). Returns {chunk index: level} for every chunk the executor must encode now:
+        the modified ones, those whose planned level dropped, and recomputed ones (`restored`).
+        """
+        book = self.books[ctx]
+        self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, density)
+        n_chunks = -(-kv_tokens // self.cfg.chunk_tokens)
+        stale = [i for i in book.chunks if i >= first_modified or i >= n_chunks]
+        for i in stale:  # their content changed: old resident copies and files are void
+            ch = book.chunks.pop(i)
+            self._drop_resident(ctx, i, ch)
+            if ch.file:
+                self.io.delete(ctx, i)
+        book.kv_tokens = kv_tokens
+        partial = kv_tokens % self.cfg.chunk_tokens != 0
+        current = [book.chunks[i].level if i in book.chunks else None for i in range(n_chunks)]
+        plan = self.planner.plan(chunk_density[:n_chunks], current, partial_last=partial)
+        todo = {}
+        for i in range(n_chunks):
+            ch = book.chunks.get(i)
+            if ch is None or i in (restored or ()) and ch.handle is None or plan.levels[i] != ch.level:
+                todo[i] = plan.levels[i]
+            if ch is not None:
+                ch.density = float(chunk_density[i])
+        return todo
+
+    def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
+        """Take the call's newly encoded chunks into the pool: (index, level, handle, nbytes). Evicts
+        to stay within budget, writes ahead of time when the policy says so, then unlocks `ctx`."""
+        book = self.books[ctx]
+        try:
+            for i, level, handle, nbytes in encoded:
+                ch = book.chunks.get(i)
+                if ch is None:
+                    ch = book.chunks[i] = Chunk(level=level)
+                elif ch.file and ch.level != level:  # re-quantized: the old file no longer matches
+                    self.io.delete(ctx, i)
+                    ch.file, ch.file_nbytes, ch.checksum = None, 0, None
+                self._drop_resident(ctx, i, ch)
+                ch.level = level
+                self._set_resident(ctx, i, ch, handle, nbytes)
+            if self.policy.on_pressure == "swap" and self.policy.aot_swap_out:
+                todo = [(i, book.chunks[i].handle, token_starts[i]) for i, *_ in encoded if book.chunks[i].file is None]
+                self._write(ctx, todo)
+            self._persist_rows(ctx, book)
+        finally:
+            self.queue.unlock(ctx)
+            self.locked.discard(ctx)
+        self._make_room(0)
+
+    def abort_call(self, ctx: str) -> None:
+        if ctx in self.locked:
+            self.queue.unlock(ctx)
+            self.locked.discard(ctx)
+
+    # ---- pool ---------------------------------------------------------------------------------------
+    @property
+    def pool_used(self) -> int:
+        return self.queue.resident_bytes
+
+    def held_handles(self) -> list[Any]:
+        return [ch.handle for b in self.books.values() for ch in b.chunks.values() if ch.handle is not None]
+
+    def _set_resident(self, ctx: str, i: int, ch: Chunk, handle: Any, nbytes: int) -> None:
+        ch.handle, ch.nbytes = handle, int(nbytes)
+        self.queue.touch((ctx, i), ch.level, ch.nbytes, self.clock())
+
+    def _drop_resident(self, ctx: str, i: int, ch: Chunk) -> None:
+        if ch.handle is not None:
+            if (ctx, i) in self.queue:
+                self.queue.remove((ctx, i))
+            self.release(ch.handle)
+            ch.handle, ch.nbytes = None, 0
+
+    def _make_room(self, need: int) -> tuple[int, int]:
+        """Evict until `need` more bytes fit the budget. Returns (chunks evicted, chunks written)."""
+        over = self.pool_used + need - self.cfg.pool_bytes
+        if over <= 0:
+            return 0, 0
+        try:
+            victims = self.queue.pop_victims(over)
+        except CapacityError:
+            victims = self.queue.pop_victims(self.queue.evictable_bytes) if self.queue.evictable_bytes else []
+        by_ctx: dict[str, list[int]] = {}
+        for c, i in victims:
+            by_ctx.setdefault(c, []).append(i)
+        wrote = 0
+        for c, idxs in by_ctx.items():
+            book = self.books[c]
+            if self.policy.on_pressure == "swap":
+                todo = [(i, book.chunks[i].handle, i * self.cfg.chunk_tokens) for i in idxs if book.chunks[i].file is None]
+                wrote += len(todo)
+                self._write(c, todo)  # on demand: inside this switch
+            else:
+                self.stats["killed_contexts"] += 1
+            for i in idxs:
+                ch = book.chunks[i]
+                self.release(ch.handle)
+                ch.handle, ch.nbytes = None, 0
+                self.stats["evictions"] += 1
+                if ch.file is None:  # killed: nothing left but the token ids
+                    book.chunks.pop(i)
+            self._persist_rows(c, book)
+        return len(victims), wrote
+
+    def _write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> None:
+        if not todo:
+            return
+        metas = self.io.write(ctx, todo)
+        book = self.books[ctx]
+        for (i, _, _), meta in zip(todo, metas):
+            ch = book.chunks[i]
+            ch.file, ch.file_nbytes, ch.checksum = meta["name"], meta["nbytes"], meta["checksum"]
+            self.stats["swap_out_bytes"] += meta["nbytes"]
+
+    def _persist_rows(self, ctx: str, book: CtxBook) -> None:
+        with self.registry.transaction():
+            for i, ch in book.chunks.items():
+                if ch.file and ch.handle is not None:
+                    state = ChunkState.BOTH
+                elif ch.file:
+                    state = ChunkState.SWAPPED
+                elif ch.handle is not None:
+                    state = ChunkState.RESIDENT
+                else:
+                    state = ChunkState.MISSING
+                self.registry.upsert_chunk(ctx, i, state=state, level=ch.level, file=ch.file,
+                                           checksum=ch.checksum, nbytes=ch.file_nbytes, density=ch.density)
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def pool_report(self) -> dict:
+        by_level: dict[str, int] = {}
+        for b in self.books.values():
+            for ch in b.chunks.values():
+                if ch.handle is not None:
+                    by_level[ch.level] = by_level.get(ch.level, 0) + 1
+        return {"used": self.pool_used, "budget": self.cfg.pool_bytes, "resident_by_level": by_level, **self.stats}
+
+
+def encoded_nbytes(enc: codecs.EncodedChunk) -> int:
+    return enc.nbytes

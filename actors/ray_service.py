@@ -1,0 +1,241 @@
+"""The context service on Ray: the memory governor, KV swap/IO worker, recompute worker and model
+executor as separate actors exchanging object refs (the user's design card).
+
+- governor and IO worker request no CPU; executor and recompute worker one each, with one torch thread
+  each, so torch threads add up to at most 2 on a 2-core node;
+- the IO worker streams layer groups to the recompute worker (a Ray streaming generator), which
+  decodes and recomputes into the executor's working set in shared memory;
+- resident chunks are `EncodedChunk`s in the object store: the executor puts them, the governor holds
+  the refs and the budget, the IO worker writes them to disk ahead of time;
+- every actor restarts on failure (`max_restarts`) and rebuilds its state from the registry and the
+  chunk files; an interrupted call fails with an error, never with a wrong answer.
+
+`RayService` is the Python front (`bind`, `new_ctx`, `call`, `stream`, `delete_ctx`), usable from a
+Ray job. The actor bodies are the plain classes of `actors.governor`, `actors.swapio`,
+`actors.recompute` and `actors.executor`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import ray
+
+from actors.recompute import RecomputeWorker, RestoreRequest, shared_working_set
+from actors.service import ServiceConfig
+from actors.swapio import KVSwapIO, layer_groups
+
+NAMESPACE = "llmaas"
+
+
+def _ray_get(h):
+    return ray.get(h)
+
+
+def _ray_get_many(hs):
+    return ray.get(list(hs))
+
+
+class _Remote:
+    """Calls a Ray actor's methods synchronously, as if it were the plain object."""
+
+    def __init__(self, handle) -> None:
+        self._h = handle
+
+    def __getattr__(self, name):
+        method = getattr(self._h, name)
+        return lambda *a, **k: ray.get(method.remote(*a, **k))
+
+
+class GovernorActor:
+    def __init__(self, cfg: dict, io_handle, fingerprint: str) -> None:
+        from actors.governor import GovernorConfig, MemoryGovernor
+        from storage.registry import Registry, RegistryConfig
+
+        c = ServiceConfig(**cfg)
+        reg = Registry(str(Path(c.data_dir) / "registry.db"), config=RegistryConfig(
+            max_contexts_per_app=c.max_contexts_per_app, chunk_tokens=c.chunk_tokens))
+        from scheduler.pipeline import CostProfile
+
+        self.gov = MemoryGovernor(reg, _Remote(io_handle), GovernorConfig(
+            pool_bytes=c.pool_bytes, chunk_tokens=c.chunk_tokens, policy=c.policy),
+            profile=CostProfile.from_json(c.profile) if c.profile else None,
+            release=lambda ref: None)
+        self.registry = reg
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.gov, method)(*args, **kwargs)
+
+    def registry_call(self, method: str, *args, **kwargs):
+        return getattr(self.registry, method)(*args, **kwargs)
+
+    def held_nbytes(self) -> int:
+        return self.gov.pool_used
+
+
+class _GovernorProxy:
+    """The executor's view of the governor actor: attribute calls become actor calls."""
+
+    def __init__(self, handle) -> None:
+        self._h = handle
+        self.registry = _RegistryProxy(handle)
+
+    def __getattr__(self, name):
+        return lambda *a, **k: ray.get(self._h.call.remote(name, *a, **k))
+
+
+class _RegistryProxy:
+    def __init__(self, handle) -> None:
+        self._h = handle
+
+    def __getattr__(self, name):
+        return lambda *a, **k: ray.get(self._h.registry_call.remote(name, *a, **k))
+
+
+class RayRestorer:
+    """Hands a restore to the recompute worker, which consumes the IO worker's stream."""
+
+    def __init__(self, worker, n_layers: int, group_layers: int, shm_name: str, capacity: int) -> None:
+        self.worker = worker
+        self.groups = layer_groups(n_layers, group_layers)
+        self.shm_name, self.capacity = shm_name, capacity
+
+    def restore(self, ws, plan, stats):
+        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
+                             [i for i, _, _ in plan.load], list(plan.recompute), self.groups,
+                             self.shm_name, self.capacity)
+        res = ray.get(self.worker.restore.remote(req))
+        ws.missing = set()
+        stats.resident, stats.loaded, stats.loaded_bytes = res.resident, res.loaded, res.loaded_bytes
+        stats.recomputed, stats.faults, stats.timeline = res.recomputed, len(res.faults), res.timeline
+        plan.recompute = sorted(set(plan.recompute) | set(res.faults) | {i for i, _, _ in plan.load})
+        return []  # loaded chunks are re-encoded from the working set after the call
+
+
+class ExecutorActor:
+    def __init__(self, cfg: dict, model_dir: str, fingerprint: str, gov_handle, recompute_handle,
+                 prefix: str, group_layers: int, threads: int) -> None:
+        import torch
+
+        from actors.executor import ModelExecutor
+        from engine.chat import ChatTokenizer
+        from engine.config import EngineConfig
+        from engine.context import ContextEngine
+        from engine.kvcache import KVCache
+        from engine.model import Transformer
+
+        torch.set_num_threads(max(1, threads))
+        c = ServiceConfig(**cfg)
+        ecfg = EngineConfig(max_context_tokens=c.max_context_tokens, chunk_tokens=c.chunk_tokens, device="cpu")
+        model = Transformer.from_directory(model_dir, ecfg, fingerprint=fingerprint)
+        engine = ContextEngine(model, ChatTokenizer(model_dir), ecfg)
+        engine.fingerprint = fingerprint
+        # a new segment per executor process: a restarted executor never shares a stale one
+        shm_name = f"{prefix}-ws-{os.getpid()}"
+        for stale in Path("/dev/shm").glob(f"{prefix}-ws-*"):
+            stale.unlink(missing_ok=True)
+        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True)
+        ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
+        self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle),
+                                RayRestorer(recompute_handle, model.cfg.n_layers, group_layers, shm_name, engine.limit),
+                                working_set=ws, put=ray.put, background=False)
+        model.warmup()
+
+    def new_ctx(self, app: str, system_prompt: str | None) -> str:
+        return self.ex.new_ctx(app, system_prompt)
+
+    def call(self, app: str | None, ctx: str, prompt: str, params: dict):
+        """Streaming generator: text deltas (str), then the outcome as a dict."""
+        gen = self.ex.call(app, ctx, prompt, **params)
+        while True:
+            try:
+                yield next(gen)
+            except StopIteration as stop:
+                out = stop.value
+                d = asdict(out)
+                d["restore"] = asdict(out.restore)
+                yield d
+                return
+
+    def forget(self, ctx: str) -> None:
+        if self.ex.ws_ctx == ctx:
+            self.ex.ws_ctx = None
+
+    def close(self) -> None:
+        self.shm.close()
+        self.shm.unlink()
+
+
+class RayService:
+    """Start (or attach to) the actors of one node and call them (LLMS Table 1)."""
+
+    def __init__(self, config: ServiceConfig, *, model_path: str | None = None, group_layers: int = 6,
+                 prefix: str = "llmaas", max_restarts: int = 2) -> None:
+        from engine.loader import resolve_model
+
+        self.cfg = config
+        resolved = resolve_model(model_path, progress=True)
+        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        cfgd = asdict(config)
+        common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
+        self.io = ray.remote(KVSwapIO).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
+            str(Path(config.data_dir) / "chunks"), resolved.fingerprint, _store_cfg(config), resolve=_ray_get)
+        self.gov = ray.remote(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
+            cfgd, self.io, resolved.fingerprint)
+        from engine.config import EngineConfig
+
+        ecfg = EngineConfig(max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens, device="cpu")
+        self.recompute = ray.remote(RecomputeWorker).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
+            str(resolved.directory), resolved.fingerprint, ecfg, self.io, 1)
+        self.executor = ray.remote(ExecutorActor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
+            cfgd, str(resolved.directory), resolved.fingerprint, self.gov, self.recompute, prefix, group_layers, 1)
+        ray.get([self.executor.__ray_ready__.remote(), self.recompute.__ray_ready__.remote()])
+        self._app_cache: dict[str, str] = {}
+
+    # ---- LLMS Table 1 --------------------------------------------------------------------------------
+    def bind(self, app: str) -> str:
+        return ray.get(self.gov.registry_call.remote("create_app", app))
+
+    def app_of(self, token: str) -> str:
+        return ray.get(self.gov.registry_call.remote("app_for_token", token))
+
+    def new_ctx(self, token: str, system_prompt: str | None = None) -> str:
+        return ray.get(self.executor.new_ctx.remote(self.app_of(token), system_prompt))
+
+    def stream(self, token: str, ctx: str, prompt: str, **params):
+        """Generator of text deltas; returns the outcome dict (StopIteration.value)."""
+        app = self.app_of(token)
+        for ref in self.executor.call.remote(app, ctx, prompt, params):
+            item = ray.get(ref)
+            if isinstance(item, dict):
+                return item
+            yield item
+
+    def call(self, token: str, ctx: str, prompt: str, **params) -> dict:
+        gen = self.stream(token, ctx, prompt, **params)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def delete_ctx(self, token: str, ctx: str) -> None:
+        app = self.app_of(token)
+        ray.get(self.executor.forget.remote(ctx))
+        ray.get(self.gov.call.remote("delete_ctx", ctx, app))
+
+    def shutdown(self) -> None:
+        try:
+            ray.get(self.executor.close.remote())
+        finally:
+            for h in (self.executor, self.recompute, self.gov, self.io):
+                ray.kill(h)
+
+
+def _store_cfg(c: ServiceConfig):
+    from storage.chunkfile import ChunkStoreConfig
+
+    return ChunkStoreConfig(disk_cap_bytes=c.disk_cap_bytes, read_bytes_per_s=c.read_bytes_per_s)

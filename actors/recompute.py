@@ -1,0 +1,158 @@
+"""The recompute worker and the pipelined restore (LLMS §3.3, Fig. 8; DESIGN.md §4 step 3).
+
+The worker holds the model (weights memory-mapped read-only, shared with the executor) and maps the
+executor's working set, a shared-memory buffer `[L, 2, Hkv, capacity, D]`. For a restore it decodes the
+resident chunks, then consumes the KV swap/IO worker's per-layer-group stream: as soon as the layers of
+group `g` of every loaded chunk have arrived and been decoded, it recomputes those layers of the
+planned chunks (`Transformer.recompute_layer`), while the IO worker already reads group `g+1`.
+Nothing but encoded chunk bytes crosses processes (numpy, zero-copy out of the object store); the
+decoded K/V are written in place, where the executor attends to them.
+
+A chunk whose file turns out missing or corrupt is recomputed instead (a second, full pass if the fault
+shows up after its first layers were used), so a restore never yields wrong K/V.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from multiprocessing import shared_memory
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.kvcache import KVCache
+from storage import codecs
+
+
+@dataclass(slots=True)
+class RestoreRequest:
+    ctx: str
+    kv_tokens: int
+    token_ids: np.ndarray
+    resident: list[tuple[int, Any]]
+    """(chunk index, handle) of chunks decoded from the pool."""
+    load: list[int]
+    recompute: list[int]
+    groups: list[range]
+    """Layer groups the IO worker streams."""
+    shm_name: str = ""
+    """The executor's working-set segment."""
+    capacity: int = 0
+    """Its capacity in tokens."""
+
+
+@dataclass(slots=True)
+class RestoreResult:
+    resident: int = 0
+    loaded: int = 0
+    loaded_bytes: int = 0
+    recomputed: int = 0
+    faults: dict[int, str] = field(default_factory=dict)
+    timeline: list = field(default_factory=list)
+    """(what, layer or group, start, end), time.monotonic() seconds."""
+
+
+def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    """A float32 `[L, 2, Hkv, capacity, D]` tensor over POSIX shared memory `name`."""
+    shape = (cfg.n_layers, 2, cfg.n_kv_heads, capacity, cfg.head_dim)
+    nbytes = int(np.prod(shape)) * 4
+    if create:
+        try:  # a segment left by a crashed executor of the same name
+            old = shared_memory.SharedMemory(name=name)
+            old.close()
+            old.unlink()
+        except FileNotFoundError:
+            pass
+        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    else:
+        shm = shared_memory.SharedMemory(name=name)
+    arr = np.ndarray(shape, dtype=np.float32, buffer=shm.buf)
+    return shm, torch.from_numpy(arr)
+
+
+def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable, resolve: Callable[[list], list]) -> RestoreResult:
+    """Fill `ws` for `req`: decode resident chunks, decode each streamed layer group of the loaded
+    chunks and recompute the same layers of the planned chunks right after."""
+    res = RestoreResult()
+    kv = ws.kv.numpy()
+    ws.truncate(0)
+    ws.reserve(req.kv_tokens)
+    ws.missing = set(range(ws.n_chunks))
+    if req.resident:
+        t = time.monotonic()
+        for (i, _), enc in zip(req.resident, resolve([h for _, h in req.resident])):
+            s, e = ws.chunk_range(i)
+            codecs.decode(enc, out=kv[:, :, :, s:e])
+            res.resident += 1
+        ws.mark_present([i for i, _ in req.resident])
+        res.timeline.append(("resident", -1, t, time.monotonic()))
+    job = model.recompute_start(ws, req.token_ids, req.recompute) if req.recompute else None
+    if req.load:
+        for grp in stream:
+            t = time.monotonic()
+            res.timeline.append(("read", grp.index, grp.read_start, grp.read_end))
+            a, b = grp.layers.start, grp.layers.stop
+            for i, enc in grp.chunks.items():
+                s, e = ws.chunk_range(i)
+                codecs.decode(enc, out=kv[a:b, :, :, s:e])
+                res.loaded_bytes += enc.nbytes
+            res.faults.update(grp.failed)
+            res.timeline.append(("decode", grp.index, t, time.monotonic()))
+            if job is not None and not res.faults:
+                for layer in grp.layers:
+                    t = time.monotonic()
+                    model.recompute_layer(ws, job, layer)
+                    res.timeline.append(("recompute", layer, t, time.monotonic()))
+        res.loaded = len(set(req.load) - set(res.faults))
+        ws.mark_present(set(req.load) - set(res.faults))
+    if res.faults:  # some file failed: recompute it and everything planned, all layers, exactly
+        chunks = sorted(set(req.recompute) | set(res.faults))
+        t = time.monotonic()
+        model.recompute(ws, req.token_ids, chunks)
+        res.timeline.append(("recompute", -1, t, time.monotonic()))
+        res.recomputed = len(chunks)
+    elif job is not None:
+        for layer in range(job.next_layer, model.cfg.n_layers):
+            t = time.monotonic()
+            model.recompute_layer(ws, job, layer)
+            res.timeline.append(("recompute", layer, t, time.monotonic()))
+        res.recomputed = len(req.recompute)
+    if ws.missing:
+        raise RuntimeError(f"restore left chunks {sorted(ws.missing)} missing")
+    return res
+
+
+class RecomputeWorker:
+    """Actor body: the model plus a view of the executor's shared working set."""
+
+    def __init__(self, model_dir: str, fingerprint: str, engine_cfg, io=None, threads: int = 1) -> None:
+        from engine.model import Transformer
+
+        torch.set_num_threads(max(1, threads))
+        self.model = Transformer.from_directory(model_dir, engine_cfg, fingerprint=fingerprint)
+        self.chunk_tokens = engine_cfg.chunk_tokens
+        self.io = io
+        self.shm = None
+        self.ws: KVCache | None = None
+
+    def _attach(self, name: str, capacity: int) -> KVCache:
+        """Map the executor's working set; again after the executor restarted with a new segment."""
+        if self.shm is None or self.shm.name.lstrip("/") != name:
+            if self.shm is not None:
+                self.shm.close()
+            self.shm, buf = shared_working_set(self.model.cfg, capacity, name, create=False)
+            self.ws = KVCache.wrap(self.model.cfg, buf, chunk_tokens=self.chunk_tokens)
+        return self.ws
+
+    def restore(self, req: RestoreRequest) -> RestoreResult:
+        import ray
+
+        ws = self._attach(req.shm_name, req.capacity)
+        stream = ()
+        if req.load:
+            gen = self.io.read_groups.remote(req.ctx, req.load, req.groups)
+            stream = (ray.get(ref) for ref in gen)
+        return pipelined_restore(self.model, ws, req, stream, ray.get)

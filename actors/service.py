@@ -1,0 +1,106 @@
+"""The context service's Python front (LLMS Table 1: `bind`, `new_ctx`, `call`, `delete_ctx`), wiring the
+memory governor, KV swap/IO worker, recompute worker and model executor together.
+
+`LocalService` wires the plain classes in one process (no Ray): the reference for the actor path and
+what the Ray-free policy tests drive. The Ray wiring lives in `actors.ray_service`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from actors.executor import CallOutcome, InProcessRestorer, ModelExecutor
+from actors.governor import GovernorConfig, MemoryGovernor
+from actors.swapio import KVSwapIO
+from engine.config import EngineConfig
+from engine.context import ContextEngine
+from scheduler.pipeline import CostProfile
+from storage.chunkfile import ChunkStoreConfig
+from storage.registry import Registry, RegistryConfig
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    data_dir: str = field(default_factory=lambda: os.environ.get("LLMAAS_DATA_DIR", "./data"))
+    """Registry and chunk files live here."""
+    policy: str = "llms"
+    """Memory policy set (scheduler.policies.POLICIES)."""
+    pool_bytes: int = 256 << 20
+    """KV pool budget: resident chunks as stored, bytes."""
+    max_context_tokens: int = 4096
+    """Longest context before overflow handling, tokens (also the working set's size)."""
+    max_contexts_per_app: int = 0
+    """Per-app limit K of contexts; 0 for none."""
+    read_bytes_per_s: float = 0.0
+    """Chunk read throttle emulating slow storage, bytes/s; 0 for none."""
+    disk_cap_bytes: int = 0
+    """Chunk file disk cap, bytes; 0 for none."""
+    chunk_tokens: int = 16
+    """Tokens per KV chunk."""
+    profile: str = ""
+    """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty for the built-in default."""
+
+
+class LocalService:
+    """Everything in this process. `engine` may be passed to share an already loaded model."""
+
+    def __init__(self, config: ServiceConfig, engine: ContextEngine | None = None,
+                 profile: CostProfile | None = None) -> None:
+        self.cfg = config
+        root = Path(config.data_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        if engine is None:
+            engine = ContextEngine.load(None, EngineConfig(max_context_tokens=config.max_context_tokens,
+                                                           chunk_tokens=config.chunk_tokens))
+        elif engine.cfg.max_context_tokens != config.max_context_tokens:
+            engine = ContextEngine(engine.model, engine.tok, EngineConfig(
+                max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens))
+        self.engine = engine
+        fingerprint = getattr(engine, "fingerprint", "") or "unknown-model"
+        self.registry = Registry(str(root / "registry.db"), config=RegistryConfig(
+            max_contexts_per_app=config.max_contexts_per_app, chunk_tokens=config.chunk_tokens))
+        self.io = KVSwapIO(str(root / "chunks"), fingerprint, ChunkStoreConfig(
+            disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s))
+        self.governor = MemoryGovernor(
+            self.registry, self.io,
+            GovernorConfig(pool_bytes=config.pool_bytes, chunk_tokens=config.chunk_tokens, policy=config.policy,
+                           dtype="float32" if engine.model.dtype.is_floating_point and engine.model.dtype.itemsize == 4 else "bfloat16"),
+            profile=profile or (CostProfile.from_json(config.profile) if config.profile else None),
+            clock=time.monotonic)
+        self.executor = ModelExecutor(engine, self.governor, InProcessRestorer(engine.model, self.io))
+
+    # ---- LLMS Table 1 ----------------------------------------------------------------------------
+    def bind(self, app: str) -> str:
+        """Register an app; returns its token (shown once, stored hashed)."""
+        return self.registry.create_app(app)
+
+    def app_of(self, token: str) -> str:
+        return self.registry.app_for_token(token)
+
+    def new_ctx(self, token: str, system_prompt: str | None = None) -> str:
+        return self.executor.new_ctx(self.app_of(token), system_prompt)
+
+    def stream(self, token: str, ctx: str, prompt: str, **params):
+        """Generator of text deltas; its return value is the `CallOutcome`."""
+        return self.executor.call(self.app_of(token), ctx, prompt, **params)
+
+    def call(self, token: str, ctx: str, prompt: str, **params) -> CallOutcome:
+        gen = self.stream(token, ctx, prompt, **params)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def delete_ctx(self, token: str, ctx: str) -> None:
+        self.executor.flush()
+        if self.executor.ws_ctx == ctx:
+            self.executor.ws_ctx = None
+        self.governor.delete_ctx(ctx, self.app_of(token))
+
+    def close(self) -> None:
+        self.executor.flush()
+        self.registry.close()
