@@ -35,6 +35,20 @@ def _ray_get(h):
     return ray.get(h)
 
 
+def call_retrying(method, *args, deadline_s: float = 60.0, **kwargs):
+    """`ray.get(method.remote(...))`, retried while the actor is restarting. Safe for our actors:
+    a restarted actor rebuilds its state from the registry and files, so nothing half-done survives."""
+    delay, end = 0.05, time.monotonic() + deadline_s
+    while True:
+        try:
+            return ray.get(method.remote(*args, **kwargs))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+
 def _ray_get_many(hs):
     return ray.get(list(hs))
 
@@ -47,7 +61,7 @@ class _Remote:
 
     def __getattr__(self, name):
         method = getattr(self._h, name)
-        return lambda *a, **k: ray.get(method.remote(*a, **k))
+        return lambda *a, **k: call_retrying(method, *a, **k)
 
 
 class GovernorActor:
@@ -84,7 +98,7 @@ class _GovernorProxy:
         self.registry = _RegistryProxy(handle)
 
     def __getattr__(self, name):
-        return lambda *a, **k: ray.get(self._h.call.remote(name, *a, **k))
+        return lambda *a, **k: call_retrying(self._h.call, name, *a, **k)
 
 
 class _RegistryProxy:
@@ -92,7 +106,7 @@ class _RegistryProxy:
         self._h = handle
 
     def __getattr__(self, name):
-        return lambda *a, **k: ray.get(self._h.registry_call.remote(name, *a, **k))
+        return lambda *a, **k: call_retrying(self._h.registry_call, name, *a, **k)
 
 
 class RayRestorer:
@@ -107,7 +121,7 @@ class RayRestorer:
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
                              [i for i, _, _ in plan.load], list(plan.recompute), self.groups,
                              self.shm_name, self.capacity)
-        res = ray.get(self.worker.restore.remote(req))
+        res = call_retrying(self.worker.restore, req)
         ws.missing = set()
         stats.resident, stats.loaded, stats.loaded_bytes = res.resident, res.loaded, res.loaded_bytes
         stats.recomputed, stats.faults, stats.timeline = res.recomputed, len(res.faults), res.timeline

@@ -60,3 +60,14 @@ def real_kv(engine):
     engine.model.forward(cache, ids)
     kv = np.concatenate([cache.export_chunk(i) for i in range(cache.n_chunks)], axis=3)
     return np.ascontiguousarray(kv, dtype=np.float32)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole test session (2 CPUs, no dashboard)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

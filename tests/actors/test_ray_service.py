@@ -1,0 +1,92 @@
+"""The context service as Ray actors on one local Ray: lossless equality, persistence across a service
+restart, the fault primitive, and the swap-recompute pipeline overlapping IO with recompute."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from actors.service import ServiceConfig
+from engine.config import EngineConfig
+from engine.context import ContextEngine
+from scheduler.pipeline import CostProfile
+
+PROMPTS = [
+    "Describe a lighthouse at night in two sentences.",
+    "List three uses of copper.",
+    "Why do cats purr? Answer briefly.",
+    "Name a famous bridge and its city.",
+]
+FOLLOW = ["Now say it in fewer words.", "Which one is most common?", "Is that always true?", "How old is it?"]
+LAST = "Thank you. Summarise our talk in five words."
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    e = ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=512))
+    ctxs = [e.new_ctx("You are terse.") for _ in PROMPTS]
+    out = [[e.call(c, p, max_tokens=8).token_ids for c, p in zip(ctxs, PROMPTS)]]
+    out.append([e.call(c, p, max_tokens=8).token_ids for c, p in zip(ctxs, FOLLOW)])
+    out.append([e.call(c, LAST, max_tokens=8).token_ids for c in ctxs])
+    return out
+
+
+def start(tmp, policy, prefix, **kw):
+    from actors.ray_service import RayService
+
+    cfg = ServiceConfig(data_dir=str(tmp), policy=policy, max_context_tokens=512, **kw)
+    return RayService(cfg, prefix=prefix)
+
+
+def test_lossless_on_ray_survives_restart_and_lost_files(ray_cluster, reference, tmp_path):
+    svc = start(tmp_path, "vllm-s", "t-lossless", pool_bytes=3 << 20)  # about 1 of 4 contexts raw
+    tok = svc.bind("app")
+    ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
+    got = [[svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)]]
+    outs = [svc.call(tok, c, p, max_tokens=8) for c, p in zip(ctxs, FOLLOW)]
+    got.append([o["token_ids"] for o in outs])
+    assert got == reference[:2]
+    assert sum(o["restore"]["loaded"] for o in outs) > 0  # chunks really came back from disk
+    assert all(o["switch_ms"] > 0 for o in outs)
+    svc.shutdown()
+
+    # lose one chunk file of the first context: the fault primitive recomputes it from token ids
+    files = sorted((tmp_path / "chunks" / ctxs[0]).glob("*.kvc"))
+    assert files
+    files[1].unlink()
+    svc = start(tmp_path, "vllm-s", "t-lossless2", pool_bytes=3 << 20)  # a new set of actors
+    outs = [svc.call(tok, c, LAST, max_tokens=8) for c in ctxs]
+    assert [o["token_ids"] for o in outs] == reference[2]
+    assert outs[0]["restore"]["recomputed"] >= 1 or outs[0]["restore"]["faults"] >= 1
+    svc.shutdown()
+
+
+def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_path):
+    # slow storage (8 MB/s) and a profile that makes recomputing some chunks cheaper than reading
+    profile = CostProfile.fit([(0, 0.0), (10, 0.15)], [(0, 0.0), (8e6, 1.0)]).to_json()
+    svc = start(tmp_path, "llms", "t-pipe", pool_bytes=1 << 20, read_bytes_per_s=8e6, profile=profile)
+    tok = svc.bind("app")
+    ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
+    for c, p in zip(ctxs, PROMPTS):
+        svc.call(tok, c, p + " " + p, max_tokens=4)
+    overlapped = []
+    for c, p in zip(ctxs, FOLLOW):
+        o = svc.call(tok, c, p, max_tokens=4)
+        r = o["restore"]
+        if r["loaded"] and r["recomputed"]:
+            tl = r["timeline"]
+            reads = {g: (s, e) for what, g, s, e in tl if what == "read"}
+            recs = {l: s for what, l, s, e in tl if what == "recompute" and l >= 0}
+            group_of = lambda layer: layer // 6  # noqa: E731 (group_layers=6)
+            overlapped += [l for l, s in recs.items() if group_of(l) + 1 in reads and s < reads[group_of(l) + 1][1]]
+    assert overlapped, "no restore recomputed layer l before the read of layer l+1's group finished"
+
+    # actors killed between calls come back (max_restarts) and rebuild from the registry and files
+    ray_cluster.kill(svc.gov, no_restart=False)
+    ray_cluster.kill(svc.recompute, no_restart=False)
+    outs = [svc.call(tok, c, "One more word?", max_tokens=3) for c in ctxs]
+    assert all(o["completion_tokens"] >= 1 for o in outs)
+    assert sum(o["restore"]["loaded"] + o["restore"]["recomputed"] for o in outs) > 0
+    svc.shutdown()
