@@ -210,10 +210,19 @@ class MemoryGovernor:
             resident=resident,
             load=[(i, book.chunks[i].level, book.chunks[i].file) for i in plan.load],
             recompute=list(plan.recompute),
-            predicted_s=plan.predicted,
+            # the pipeline (Eq. 4) plus decoding the resident chunks, at the profiled per-byte cost
+            predicted_s=plan.predicted + self.profile.io.slope * sum(book.chunks[i].nbytes for i, _, _ in resident),
             evicted_for_restore=evicted,
             wrote_on_demand=wrote,
         )
+
+    def set_profile(self, profile_json: str) -> None:
+        """Replace the pipeline cost profile (measured by the executor at start)."""
+        self.profile = CostProfile.from_json(profile_json)
+
+    def restore_error(self) -> float | None:
+        """Median |ln(measured / predicted)| over the recorded restores."""
+        return self.restores.median_abs_log_error()
 
     def record_restore(self, predicted_s: float, measured_s: float) -> None:
         if predicted_s > 0 and measured_s > 0:

@@ -174,6 +174,13 @@ class ExecutorActor:
                 yield d
                 return
 
+    def profile(self, read_bytes_per_s: float) -> str:
+        """Measure (or read the cached) pipeline cost profile with this process's model and threads."""
+        from actors.profiling import load_or_measure
+
+        return load_or_measure(self.ex.model, self.ex.engine.fingerprint, read_bytes_per_s=read_bytes_per_s,
+                               progress=False).to_json()
+
     def forget(self, ctx: str) -> None:
         if self.ex.ws_ctx == ctx:
             self.ex.ws_ctx = None
@@ -207,6 +214,8 @@ class RayService:
         self.executor = ray.remote(ExecutorActor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
             cfgd, str(resolved.directory), resolved.fingerprint, self.gov, self.recompute, prefix, group_layers, 1)
         ray.get([self.executor.__ray_ready__.remote(), self.recompute.__ray_ready__.remote()])
+        if not config.profile:
+            ray.get(self.gov.call.remote("set_profile", ray.get(self.executor.profile.remote(config.read_bytes_per_s))))
         self._app_cache: dict[str, str] = {}
 
     # ---- LLMS Table 1 --------------------------------------------------------------------------------

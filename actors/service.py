@@ -41,7 +41,8 @@ class ServiceConfig:
     chunk_tokens: int = 16
     """Tokens per KV chunk."""
     profile: str = ""
-    """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty for the built-in default."""
+    """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
+    model and throttle, then cached (`llmaas profile` re-runs it)."""
 
 
 class LocalService:
@@ -68,9 +69,17 @@ class LocalService:
             self.registry, self.io,
             GovernorConfig(pool_bytes=config.pool_bytes, chunk_tokens=config.chunk_tokens, policy=config.policy,
                            dtype="float32" if engine.model.dtype.is_floating_point and engine.model.dtype.itemsize == 4 else "bfloat16"),
-            profile=profile or (CostProfile.from_json(config.profile) if config.profile else None),
+            profile=profile or self._profile(config, engine, fingerprint),
             clock=time.monotonic)
         self.executor = ModelExecutor(engine, self.governor, InProcessRestorer(engine.model, self.io))
+
+    @staticmethod
+    def _profile(config: ServiceConfig, engine: ContextEngine, fingerprint: str) -> CostProfile:
+        if config.profile:
+            return CostProfile.from_json(config.profile)
+        from actors.profiling import load_or_measure
+
+        return load_or_measure(engine.model, fingerprint, read_bytes_per_s=config.read_bytes_per_s)
 
     # ---- LLMS Table 1 ----------------------------------------------------------------------------
     def bind(self, app: str) -> str:

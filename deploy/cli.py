@@ -113,6 +113,18 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    """Measure the pipeline cost models on this machine and cache them."""
+    from actors.profiling import load_or_measure
+
+    engine = _engine(args)
+    prof = load_or_measure(engine.model, engine.fingerprint, read_bytes_per_s=args.throttle_mbps * 1e6, refresh=True)
+    print(f"T_re(x) = {prof.recompute.intercept * 1000:.2f} ms + {prof.recompute.slope * 1000:.2f} ms/chunk")
+    print(f"T_io(m) = {prof.io.intercept * 1000:.2f} ms + {prof.io.slope * 1e9:.3f} ms/MB "
+          f"({1 / max(prof.io.slope, 1e-12) / 1e6:.0f} MB/s read+decode)")
+    return 0
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
                    help="GGUF file or Hugging Face checkpoint directory (Llama, Qwen2); default: the embedded "
@@ -147,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Interactive multi-turn chat on one context; one line per user turn. " + CHAT_HELP)
     _add_model_args(c)
     c.set_defaults(func=cmd_chat)
+    pr = sub.add_parser("profile", help="measure recompute and read costs for the restore planner, cache them",
+                        description="Measure T_re (recompute x chunks) and T_io (read and decode m bytes of "
+                                    "chunk files) on this machine and cache the fitted profile per machine, "
+                                    "model and throttle (LLMS §3.3). Services use the cached profile.")
+    pr.add_argument("--throttle-mbps", type=float, default=0.0, help="chunk read throttle to profile under (MB/s)")
+    _add_model_args(pr)
+    pr.set_defaults(func=cmd_profile)
     return parser
 
 

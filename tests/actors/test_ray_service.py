@@ -36,6 +36,7 @@ def reference(engine):
 def start(tmp, policy, prefix, **kw):
     from actors.ray_service import RayService
 
+    kw.setdefault("profile", CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json())
     cfg = ServiceConfig(data_dir=str(tmp), policy=policy, max_context_tokens=512, **kw)
     return RayService(cfg, prefix=prefix)
 

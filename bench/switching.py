@@ -1,0 +1,205 @@
+"""Context switching latency per policy (LLMS §5.1 in small): 8 contexts of 1-2K tokens, Markov
+switching, a KV pool holding about a quarter of them at 8 bits.
+
+Every policy runs the same trace on its own data directory, in one process (`LocalService`), or on
+Ray (`--ray`, the actor path). Between calls the script waits for the service's background work (the
+ahead-of-time write-back) to finish, as an idle gap in a real trace would allow; a write-back still
+pending when a call arrives would count inside its `switch_ms` (DESIGN.md §1).
+
+    python -m bench.switching [--calls 30] [--throttle-mbps 50] [--policies llms swap ...] [--write F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BEGIN, END = "<!-- switching:begin -->", "<!-- switching:end -->"
+POLICIES = ["lmk", "swap", "vllm-s", "vllm-sq", "llms"]
+
+
+def markov_order(n_ctx: int, calls: int, seed: int, decay: float = 0.5) -> list[int]:
+    from bench.traces import markov_rank_probabilities
+
+    rng = np.random.default_rng(seed)
+    p = markov_rank_probabilities(n_ctx, decay)
+    recency = list(rng.permutation(n_ctx))
+    out = []
+    for _ in range(calls):
+        r = int(rng.choice(n_ctx, p=p))
+        c = recency.pop(r)
+        recency.insert(0, c)
+        out.append(int(c))
+    return out
+
+
+def long_prompts(engine, n_ctx: int, seed: int) -> list[str]:
+    """Real text (the Python reference manual in the standard library), 1-2K tokens per context."""
+    from bench.passages import load_passages
+
+    rng = np.random.default_rng(seed)
+    texts = [p.text for fam in load_passages().values() for p in fam]
+    out = []
+    for i in range(n_ctx):
+        target = int(rng.integers(1000, 1900))
+        start = int(rng.integers(0, len(texts)))
+        buf, k = [], start
+        while len(engine.tok.encode(" ".join(buf))) < target:
+            buf.append(texts[k % len(texts)])
+            k += 1
+        out.append("Read this and be ready for questions.\n\n" + " ".join(buf))
+    return out
+
+
+def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tmp):
+    from actors.service import LocalService, ServiceConfig
+
+    cfg = ServiceConfig(data_dir=str(Path(tmp) / policy), policy=policy, pool_bytes=pool_bytes,
+                        max_context_tokens=4096, read_bytes_per_s=throttle)
+    if use_ray:
+        from actors.ray_service import RayService
+
+        svc = RayService(cfg, prefix=f"bench-{policy}")
+    else:
+        svc = LocalService(cfg, engine=engine)
+    tok = svc.bind("bench")
+    ctxs = []
+    for p in prompts:
+        c = svc.new_ctx(tok, None)
+        svc.call(tok, c, p, max_tokens=1)
+        ctxs.append(c)
+        if not use_ray:
+            svc.executor.flush()
+    recs = []
+    for k, c in enumerate(order):
+        t = time.perf_counter()
+        out = svc.call(tok, ctxs[c], f"Question {k}: what is the main topic?", max_tokens=4)
+        e2e = time.perf_counter() - t
+        if not use_ray:
+            svc.executor.flush()  # the idle gap: background write-back finishes before the next call
+            out = {"switch_ms": out.switch_ms, "restore": {"loaded_bytes": out.restore.loaded_bytes,
+                   "recomputed": out.restore.recomputed, "loaded": out.restore.loaded,
+                   "resident": out.restore.resident}, "predicted_restore_ms": out.predicted_restore_ms}
+        recs.append({"ctx": c, "e2e_ms": e2e * 1000, **{k2: out[k2] for k2 in ("switch_ms", "predicted_restore_ms")},
+                     **{f"restore_{k2}": v for k2, v in out["restore"].items() if k2 != "timeline"}})
+    if use_ray:
+        svc.shutdown()
+    else:
+        svc.close()
+    return recs
+
+
+def summarise(recs):
+    sw = [r["switch_ms"] for r in recs]
+    restored = [r for r in recs if r["restore_loaded"] or r["restore_recomputed"] or r["restore_resident"]]
+    pairs = [(r["predicted_restore_ms"], r["switch_ms"]) for r in restored if r["predicted_restore_ms"] > 0]
+    err = statistics.median(abs(math.log(m / p)) for p, m in pairs) if pairs else float("nan")
+    return {
+        "mean_switch_ms": statistics.mean(sw),
+        "median_switch_ms": statistics.median(sw),
+        "restores": len(restored),
+        "mean_restore_switch_ms": statistics.mean([r["switch_ms"] for r in restored]) if restored else 0.0,
+        "mean_e2e_ms": statistics.mean(r["e2e_ms"] for r in recs),
+        "loaded_mb": sum(r["restore_loaded_bytes"] for r in recs) / 1e6,
+        "recomputed_chunks": sum(r["restore_recomputed"] for r in recs),
+        "median_abs_ln_pred_err": err,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=30, help="switching calls per policy (default 30)")
+    ap.add_argument("--contexts", type=int, default=8, help="active contexts (default 8)")
+    ap.add_argument("--policies", nargs="+", default=POLICIES, help="policies to run")
+    ap.add_argument("--throttle-mbps", type=float, default=0.0, help="chunk read throttle in MB/s (0: off)")
+    ap.add_argument("--ray", action="store_true", help="run the actor path on a local Ray instead of one process")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write", type=Path, help="replace this script's section of a markdown file")
+    ap.add_argument("--json", type=Path, help="write per-call records and summaries as JSON")
+    args = ap.parse_args(argv)
+
+    from engine.chat import Conversation
+    from engine.config import EngineConfig
+    from engine.context import ContextEngine
+    from storage.codecs import stored_nbytes
+
+    engine = ContextEngine.load(None, EngineConfig(max_context_tokens=4096))
+    prompts = long_prompts(engine, args.contexts, args.seed)
+    order = markov_order(args.contexts, args.calls, args.seed)
+    # a pool holding about a quarter of the contexts at 8 bits (q8 bytes as stored, with scales)
+    tokens = sum(len(engine.tok.user_turn_ids(Conversation(), p)) for p in prompts)
+    q8_per_token = stored_nbytes("q8", (engine.model.cfg.n_layers, 2, engine.model.cfg.n_kv_heads, 16,
+                                        engine.model.cfg.head_dim)) / 16
+    pool = int(tokens * q8_per_token / 4)
+    print(f"{args.contexts} contexts, {tokens} tokens in all; pool {pool / 1e6:.1f} MB "
+          f"(a quarter of them at q8); trace of {args.calls} Markov calls", file=sys.stderr)
+    if args.ray:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    results = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("LLMAAS_BENCH_DIR")) as tmp:
+        for pol in args.policies:
+            t = time.perf_counter()
+            recs = run_policy(pol, engine, prompts, order, pool, args.throttle_mbps * 1e6, args.ray, tmp)
+            results[pol] = {"summary": summarise(recs), "records": recs}
+            s = results[pol]["summary"]
+            print(f"{pol:>8}: mean switch {s['mean_switch_ms']:.1f} ms (median {s['median_switch_ms']:.1f}), "
+                  f"{s['restores']} restores, {s['loaded_mb']:.0f} MB loaded, {s['recomputed_chunks']} chunks "
+                  f"recomputed ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    mode = "Ray actors" if args.ray else "one process"
+    thr = f"{args.throttle_mbps:g} MB/s read throttle" if args.throttle_mbps else "no read throttle"
+    cmd = (f"python -m bench.switching --calls {args.calls} --contexts {args.contexts}"
+           + (f" --throttle-mbps {args.throttle_mbps:g}" if args.throttle_mbps else "") + (" --ray" if args.ray else ""))
+    lines = [
+        f"{BEGIN.replace('begin', 'begin:' + mode + ':' + thr)}",
+        f"#### {mode}, {thr}",
+        "",
+        f"Command: `{cmd}`. Date: {datetime.date.today().isoformat()}. Machine: {os.cpu_count()} cores, "
+        f"{platform.machine()}. {args.contexts} contexts, {tokens} prompt tokens in all (1-2K each), pool "
+        f"{pool / 1e6:.1f} MB (a quarter of the contexts at q8), {args.calls} Markov calls, max_tokens 4.",
+        "",
+        "| policy | mean switch_ms | median | restores | mean switch_ms of restores | MB loaded | chunks recomputed | median abs ln(measured/predicted) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for pol, r in results.items():
+        s = r["summary"]
+        lines.append(f"| {pol} | {s['mean_switch_ms']:.1f} | {s['median_switch_ms']:.1f} | {s['restores']} | "
+                     f"{s['mean_restore_switch_ms']:.1f} | {s['loaded_mb']:.0f} | {s['recomputed_chunks']} | "
+                     f"{s['median_abs_ln_pred_err']:.2f} |")
+    if "llms" in results:
+        base = results["llms"]["summary"]["mean_switch_ms"]
+        ratios = ", ".join(f"{p} {results[p]['summary']['mean_switch_ms'] / base:.1f}x"
+                           for p in results if p != "llms")
+        lines += ["", f"Mean switch_ms of each baseline over `llms`: {ratios}."]
+    lines.append(END.replace("end", "end:" + mode + ":" + thr))
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        doc = args.write.read_text() if args.write.exists() else "# Benchmarks\n"
+        b, e = lines[0], lines[-1]
+        if b in doc:
+            doc = doc[: doc.index(b)] + text + doc[doc.index(e) + len(e):]
+        else:
+            if "## Context switching" not in doc:
+                doc = doc.rstrip("\n") + "\n\n## Context switching\n"
+            doc = doc.rstrip("\n") + "\n\n" + text + "\n"
+        args.write.write_text(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
