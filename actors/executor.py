@@ -81,8 +81,9 @@ class InProcessRestorer:
     release the GIL), overlapping the reads. The baseline the actor pipeline is compared against."""
 
     def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h,
-                 threads: int = 1) -> None:
+                 threads: int = 1, group_layers: int = 6) -> None:
         self.model = model
+        self.group_layers = group_layers
         self.io = io
         self.resolve = resolve
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode") if threads > 1 else None
@@ -94,6 +95,8 @@ class InProcessRestorer:
         return self.pool.submit(fn, *args)
 
     def restore(self, ws: KVCache, plan: CallPlan, stats: RestoreStats) -> list[tuple[int, Any, int]]:
+        if plan.recompute and plan.load and ws.device.type == "cpu":
+            return self._pipelined(ws, plan, stats)
         kv = ws.kv.numpy() if ws.device.type == "cpu" else None
         jobs = [self._submit(_decode_into, ws, kv, i, self.resolve(handle)) for i, _level, handle in plan.resident]
         stats.resident += len(plan.resident)
@@ -117,6 +120,46 @@ class InProcessRestorer:
             stats.timeline.append(("recompute", -1, t, time.monotonic()))
             stats.recomputed += len(recompute)
         return loaded
+
+
+    def _pipelined(self, ws: KVCache, plan: CallPlan, stats: RestoreStats) -> list:
+        """Loads and recompute overlapped as on Ray (Fig. 8): a reader thread streams layer groups
+        (file reads and lz4 release the GIL) while this thread decodes and recomputes layer by layer."""
+        import queue
+
+        from actors.recompute import RestoreRequest, pipelined_restore
+        from actors.swapio import layer_groups
+
+        groups = layer_groups(self.model.cfg.n_layers, self.group_layers)
+        load = [i for i, _, _ in plan.load]
+        q: queue.Queue = queue.Queue()
+
+        def reader():
+            try:
+                for grp in self.io.read_groups(plan.ctx, load, groups):
+                    q.put(grp)
+            except BaseException as e:  # handed to the consumer, raised there
+                q.put(e)
+            q.put(None)
+
+        def stream():
+            while (item := q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        t = threading.Thread(target=reader, name="kv-reader", daemon=True)
+        t.start()
+        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
+                             load, list(plan.recompute), groups)
+        try:
+            res = pipelined_restore(self.model, ws, req, stream(), lambda hs: [self.resolve(h) for h in hs])
+        finally:
+            t.join()
+        stats.resident, stats.loaded, stats.loaded_bytes = res.resident, res.loaded, res.loaded_bytes
+        stats.recomputed, stats.faults, stats.timeline = res.recomputed, len(res.faults), res.timeline
+        plan.recompute = sorted(set(plan.recompute) | set(res.faults) | set(load))  # re-encode after the call
+        return []
 
 
 def _decode_into(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk) -> None:

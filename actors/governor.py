@@ -155,7 +155,7 @@ class MemoryGovernor:
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
         if ctx in self.locked:
             raise ContextBusyError("context is in use by a call")
-        files = self.registry.delete_context(ctx, app)
+        self.registry.delete_context(ctx, app)
         book = self.books.pop(ctx, None)
         if book is not None:
             for i, ch in book.chunks.items():
@@ -229,9 +229,13 @@ class MemoryGovernor:
             self.restores.record(predicted_s, measured_s)
 
     def loaded(self, ctx: str, chunks: list[tuple[int, Any, int]]) -> None:
-        """Chunks read from disk during a restore are resident now: (index, handle, nbytes)."""
+        """Chunks read from disk during a restore become resident, as far as the budget allows (room
+        was made in `begin_call`; what still does not fit stays on disk only): (index, handle, nbytes)."""
         book = self.books[ctx]
         for i, handle, nbytes in chunks:
+            if self.pool_used + nbytes > self.cfg.pool_bytes:
+                self.release(handle)
+                continue
             ch = book.chunks[i]
             self._set_resident(ctx, i, ch, handle, nbytes)
 

@@ -72,8 +72,11 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
 def load_or_measure(model, fingerprint: str, *, read_bytes_per_s: float = 0.0, refresh: bool = False,
                     root: Path | None = None, progress: bool = True) -> CostProfile:
     """The cached profile for this machine, model and throttle; measured and cached when missing."""
+    import torch
+
     cache = ProfileCache(root or cache_root() / "profiles")
-    key = ProfileKey.local(fingerprint, read_bytes_per_s)
+    # the thread count is part of the identity: a 1-thread recompute worker costs twice a 2-thread one
+    key = ProfileKey.local(f"{fingerprint}-t{torch.get_num_threads()}", read_bytes_per_s)
     prof = None if refresh else cache.get(key)
     if prof is None:
         prof = measure(model, read_bytes_per_s=read_bytes_per_s, progress=progress)

@@ -25,7 +25,7 @@ from pathlib import Path
 import ray
 
 from actors.recompute import RecomputeWorker, RestoreRequest, shared_working_set
-from actors.service import ServiceConfig
+from actors.service import ServiceConfig, drain
 from actors.swapio import KVSwapIO, layer_groups
 
 NAMESPACE = "llmaas"
@@ -74,10 +74,17 @@ class GovernorActor:
             max_contexts_per_app=c.max_contexts_per_app, chunk_tokens=c.chunk_tokens))
         from scheduler.pipeline import CostProfile
 
+        if c.profile:
+            profile = CostProfile.from_json(c.profile)
+        else:  # what the executor measured (one torch thread), if it has already: after a restart
+            from engine.loader import cache_root
+            from scheduler.pipeline import ProfileCache, ProfileKey
+
+            profile = ProfileCache(cache_root() / "profiles").get(
+                ProfileKey.local(f"{fingerprint}-t1", c.read_bytes_per_s))
         self.gov = MemoryGovernor(reg, _Remote(io_handle), GovernorConfig(
             pool_bytes=c.pool_bytes, chunk_tokens=c.chunk_tokens, policy=c.policy),
-            profile=CostProfile.from_json(c.profile) if c.profile else None,
-            release=lambda ref: None)
+            profile=profile, release=lambda ref: None)
         self.registry = reg
 
     def call(self, method: str, *args, **kwargs):
@@ -163,16 +170,8 @@ class ExecutorActor:
 
     def call(self, app: str | None, ctx: str, prompt: str, params: dict):
         """Streaming generator: text deltas (str), then the outcome as a dict."""
-        gen = self.ex.call(app, ctx, prompt, **params)
-        while True:
-            try:
-                yield next(gen)
-            except StopIteration as stop:
-                out = stop.value
-                d = asdict(out)
-                d["restore"] = asdict(out.restore)
-                yield d
-                return
+        out = yield from self.ex.call(app, ctx, prompt, **params)
+        yield asdict(out)
 
     def profile(self, read_bytes_per_s: float) -> str:
         """Measure (or read the cached) pipeline cost profile with this process's model and threads."""
@@ -216,7 +215,16 @@ class RayService:
         ray.get([self.executor.__ray_ready__.remote(), self.recompute.__ray_ready__.remote()])
         if not config.profile:
             ray.get(self.gov.call.remote("set_profile", ray.get(self.executor.profile.remote(config.read_bytes_per_s))))
-        self._app_cache: dict[str, str] = {}
+
+    @classmethod
+    def attach(cls, config: ServiceConfig, prefix: str = "llmaas") -> "RayService":
+        """The front of a service already running on this Ray cluster (e.g. from a `ray job submit`
+        job): its actors are found by name, nothing is started."""
+        self = cls.__new__(cls)
+        self.cfg = config
+        get = lambda role: ray.get_actor(f"{prefix}-{role}", namespace=NAMESPACE)  # noqa: E731
+        self.io, self.gov, self.recompute, self.executor = get("io"), get("governor"), get("recompute"), get("executor")
+        return self
 
     # ---- LLMS Table 1 --------------------------------------------------------------------------------
     def bind(self, app: str) -> str:
@@ -238,12 +246,7 @@ class RayService:
             yield item
 
     def call(self, token: str, ctx: str, prompt: str, **params) -> dict:
-        gen = self.stream(token, ctx, prompt, **params)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                return stop.value
+        return drain(self.stream(token, ctx, prompt, **params))
 
     def delete_ctx(self, token: str, ctx: str) -> None:
         app = self.app_of(token)
@@ -261,4 +264,5 @@ class RayService:
 def _store_cfg(c: ServiceConfig):
     from storage.chunkfile import ChunkStoreConfig
 
-    return ChunkStoreConfig(disk_cap_bytes=c.disk_cap_bytes, read_bytes_per_s=c.read_bytes_per_s)
+    return ChunkStoreConfig(disk_cap_bytes=c.disk_cap_bytes, read_bytes_per_s=c.read_bytes_per_s,
+                            read_burst_bytes=c.read_burst_bytes)

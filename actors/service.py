@@ -36,6 +36,8 @@ class ServiceConfig:
     """Per-app limit K of contexts; 0 for none."""
     read_bytes_per_s: float = 0.0
     """Chunk read throttle emulating slow storage, bytes/s; 0 for none."""
+    read_burst_bytes: int = 256 * 1024
+    """Bytes the throttle lets through at once after an idle spell (token bucket depth)."""
     disk_cap_bytes: int = 0
     """Chunk file disk cap, bytes; 0 for none."""
     chunk_tokens: int = 16
@@ -43,6 +45,15 @@ class ServiceConfig:
     profile: str = ""
     """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
     model and throttle, then cached (`llmaas profile` re-runs it)."""
+
+
+def drain(gen):
+    """Run a generator of text deltas to its end; return its return value (the call's outcome)."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
 
 
 class LocalService:
@@ -64,7 +75,8 @@ class LocalService:
         self.registry = Registry(str(root / "registry.db"), config=RegistryConfig(
             max_contexts_per_app=config.max_contexts_per_app, chunk_tokens=config.chunk_tokens))
         self.io = KVSwapIO(str(root / "chunks"), fingerprint, ChunkStoreConfig(
-            disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s))
+            disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
+            read_burst_bytes=config.read_burst_bytes))
         self.governor = MemoryGovernor(
             self.registry, self.io,
             GovernorConfig(pool_bytes=config.pool_bytes, chunk_tokens=config.chunk_tokens, policy=config.policy,
@@ -97,12 +109,7 @@ class LocalService:
         return self.executor.call(self.app_of(token), ctx, prompt, **params)
 
     def call(self, token: str, ctx: str, prompt: str, **params) -> CallOutcome:
-        gen = self.stream(token, ctx, prompt, **params)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                return stop.value
+        return drain(self.stream(token, ctx, prompt, **params))
 
     def delete_ctx(self, token: str, ctx: str) -> None:
         self.executor.flush()

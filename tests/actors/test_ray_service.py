@@ -67,7 +67,9 @@ def test_lossless_on_ray_survives_restart_and_lost_files(ray_cluster, reference,
 def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_path):
     # slow storage (8 MB/s) and a profile that makes recomputing some chunks cheaper than reading
     profile = CostProfile.fit([(0, 0.0), (10, 0.15)], [(0, 0.0), (8e6, 1.0)]).to_json()
-    svc = start(tmp_path, "llms", "t-pipe", pool_bytes=1 << 20, read_bytes_per_s=8e6, profile=profile)
+    # a shallow token bucket, so that every layer group's read is paced at the throttle
+    svc = start(tmp_path, "llms", "t-pipe", pool_bytes=1 << 20, read_bytes_per_s=8e6, read_burst_bytes=16 << 10,
+                profile=profile)
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
     for c, p in zip(ctxs, PROMPTS):
