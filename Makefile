@@ -24,8 +24,11 @@ test: venv
 serve: venv
 	$(BIN)/llmaas chat
 
+# Benchmarks, not tests: each writes its section of docs/benchmarks.md (about 12 minutes on 2 cores).
 bench: venv
-	$(BIN)/python -m bench.engine_speed
+	$(BIN)/python -m bench.engine_speed --write docs/benchmarks.md
+	$(BIN)/python -m bench.storage_speed
+	$(BIN)/python -m bench.switching --calls 30 --contexts 8 --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache
