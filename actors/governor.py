@@ -289,8 +289,7 @@ class MemoryGovernor:
                 self._write(ctx, todo)
             self._persist_rows(ctx, book)
         finally:
-            self.queue.unlock(ctx)
-            self.locked.discard(ctx)
+            self.abort_call(ctx)  # unlock; a governor restarted since begin_call holds no lock
         self._make_room(0)
 
     def abort_call(self, ctx: str) -> None:

@@ -162,7 +162,7 @@ class ExecutorActor:
         ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
         self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle),
                                 RayRestorer(recompute_handle, model.cfg.n_layers, group_layers, shm_name, engine.limit),
-                                working_set=ws, put=ray.put, background=False)
+                                working_set=ws, put=ray.put, background=True)  # write-back after the reply
         model.warmup()
 
     def new_ctx(self, app: str, system_prompt: str | None) -> str:
@@ -181,6 +181,7 @@ class ExecutorActor:
                                progress=False).to_json()
 
     def forget(self, ctx: str) -> None:
+        self.ex.flush()  # the context's write-back must finish before it can be deleted
         if self.ex.ws_ctx == ctx:
             self.ex.ws_ctx = None
 
