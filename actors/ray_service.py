@@ -229,13 +229,13 @@ class RayService:
 
     # ---- LLMS Table 1 --------------------------------------------------------------------------------
     def bind(self, app: str) -> str:
-        return ray.get(self.gov.registry_call.remote("create_app", app))
+        return call_retrying(self.gov.registry_call, "create_app", app)
 
     def app_of(self, token: str) -> str:
-        return ray.get(self.gov.registry_call.remote("app_for_token", token))
+        return call_retrying(self.gov.registry_call, "app_for_token", token)
 
     def new_ctx(self, token: str, system_prompt: str | None = None) -> str:
-        return ray.get(self.executor.new_ctx.remote(self.app_of(token), system_prompt))
+        return call_retrying(self.executor.new_ctx, self.app_of(token), system_prompt)
 
     def stream(self, token: str, ctx: str, prompt: str, **params):
         """Generator of text deltas; returns the outcome dict (StopIteration.value)."""
@@ -251,8 +251,8 @@ class RayService:
 
     def delete_ctx(self, token: str, ctx: str) -> None:
         app = self.app_of(token)
-        ray.get(self.executor.forget.remote(ctx))
-        ray.get(self.gov.call.remote("delete_ctx", ctx, app))
+        call_retrying(self.executor.forget, ctx)
+        call_retrying(self.gov.call, "delete_ctx", ctx, app)
 
     def shutdown(self) -> None:
         try:
