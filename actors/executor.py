@@ -19,33 +19,19 @@ import json
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from actors.governor import CallPlan
+from actors.recompute import RestoreStats
 from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, Context as EngineContext
 from engine.density import DensityTracker
 from engine.kvcache import KVCache
 from storage import codecs
-
-
-@dataclass(slots=True)
-class RestoreStats:
-    resident: int = 0
-    """Chunks decoded from the pool."""
-    loaded: int = 0
-    """Chunks read from disk."""
-    loaded_bytes: int = 0
-    recomputed: int = 0
-    faults: int = 0
-    """Chunks whose file was missing or corrupt, recomputed instead."""
-    seconds: float = 0.0
-    timeline: list = field(default_factory=list)
-    """(what, layer or group, start, end) events, for pipeline tests."""
 
 
 @dataclass(slots=True)
@@ -94,9 +80,11 @@ class InProcessRestorer:
             return None
         return self.pool.submit(fn, *args)
 
-    def restore(self, ws: KVCache, plan: CallPlan, stats: RestoreStats) -> list[tuple[int, Any, int]]:
+    def restore(self, ws: KVCache, plan: CallPlan) -> tuple[RestoreStats, list[tuple[int, Any, int]]]:
+        """Fill `ws`; returns what was done and the chunks read whole from disk (index, enc, bytes)."""
         if plan.recompute and plan.load and ws.device.type == "cpu":
-            return self._pipelined(ws, plan, stats)
+            return self._pipelined(ws, plan), []
+        stats = RestoreStats()
         kv = ws.kv.numpy() if ws.device.type == "cpu" else None
         jobs = [self._submit(_decode_into, ws, kv, i, self.resolve(handle)) for i, _level, handle in plan.resident]
         stats.resident += len(plan.resident)
@@ -110,6 +98,7 @@ class InProcessRestorer:
                 stats.loaded_bytes += enc.nbytes
             stats.loaded += len(got)
             stats.faults += len(failed)
+            stats.failed.update(failed)
             recompute += list(failed)
         for j in jobs:
             if j is not None:
@@ -119,10 +108,10 @@ class InProcessRestorer:
             self.model.recompute(ws, plan.token_ids, sorted(recompute))
             stats.timeline.append(("recompute", -1, t, time.monotonic()))
             stats.recomputed += len(recompute)
-        return loaded
+        return stats, loaded
 
 
-    def _pipelined(self, ws: KVCache, plan: CallPlan, stats: RestoreStats) -> list:
+    def _pipelined(self, ws: KVCache, plan: CallPlan) -> RestoreStats:
         """Loads and recompute overlapped as on Ray (Fig. 8): a reader thread streams layer groups
         (file reads and lz4 release the GIL) while this thread decodes and recomputes layer by layer."""
         import queue
@@ -156,10 +145,8 @@ class InProcessRestorer:
             res = pipelined_restore(self.model, ws, req, stream(), lambda hs: [self.resolve(h) for h in hs])
         finally:
             t.join()
-        stats.resident, stats.loaded, stats.loaded_bytes = res.resident, res.loaded, res.loaded_bytes
-        stats.recomputed, stats.faults, stats.timeline = res.recomputed, len(res.faults), res.timeline
-        plan.recompute = sorted(set(plan.recompute) | set(res.faults) | set(load))  # re-encode after the call
-        return []
+        plan.recompute = sorted(set(plan.recompute) | set(res.failed) | set(load))  # re-encode after the call
+        return res
 
 
 def _decode_into(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk) -> None:
@@ -223,7 +210,7 @@ class ModelExecutor:
                 stats = RestoreStats()
                 if not cached:
                     tr = time.perf_counter()
-                    self._restore(plan, stats)
+                    stats = self._restore(plan)
                     stats.seconds = time.perf_counter() - tr
                 switch_ms = (time.perf_counter() - t0) * 1000
                 if not cached:
@@ -260,17 +247,18 @@ class ModelExecutor:
             cached_tokens=r.cached_tokens,
         )
 
-    def _restore(self, plan: CallPlan, stats: RestoreStats) -> None:
+    def _restore(self, plan: CallPlan) -> RestoreStats:
         ws = self.ws
         self.ws_ctx = None
         ws.truncate(0)
         ws.reserve(plan.kv_tokens)
         ws.missing = set(range(ws.n_chunks))
-        loaded = self.restorer.restore(ws, plan, stats)
+        stats, loaded = self.restorer.restore(ws, plan)
         if ws.missing:
             raise RuntimeError(f"restore left chunks {sorted(ws.missing)} missing")
         if loaded:
             self.gov.loaded(plan.ctx, [(i, self.put(enc) if not _is_handle(enc) else enc, n) for i, enc, n in loaded])
+        return stats
 
     def _engine_context(self, plan: CallPlan) -> EngineContext:
         state = json.loads(plan.state) if plan.state else {"system_prompt": None, "turns": [], "overflows": 0}

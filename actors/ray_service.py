@@ -124,16 +124,14 @@ class RayRestorer:
         self.groups = layer_groups(n_layers, group_layers)
         self.shm_name, self.capacity = shm_name, capacity
 
-    def restore(self, ws, plan, stats):
+    def restore(self, ws, plan):
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
                              [i for i, _, _ in plan.load], list(plan.recompute), self.groups,
                              self.shm_name, self.capacity)
         res = call_retrying(self.worker.restore, req)
         ws.missing = set()
-        stats.resident, stats.loaded, stats.loaded_bytes = res.resident, res.loaded, res.loaded_bytes
-        stats.recomputed, stats.faults, stats.timeline = res.recomputed, len(res.faults), res.timeline
-        plan.recompute = sorted(set(plan.recompute) | set(res.faults) | {i for i, _, _ in plan.load})
-        return []  # loaded chunks are re-encoded from the working set after the call
+        plan.recompute = sorted(set(plan.recompute) | set(res.failed) | {i for i, _, _ in plan.load})
+        return res, []  # loaded chunks are re-encoded from the working set after the call
 
 
 class ExecutorActor:

@@ -45,14 +45,23 @@ class RestoreRequest:
 
 
 @dataclass(slots=True)
-class RestoreResult:
+class RestoreStats:
+    """What one restore did (in one process or on Ray); part of a call's outcome."""
+
     resident: int = 0
+    """Chunks decoded from the pool."""
     loaded: int = 0
+    """Chunks read from disk."""
     loaded_bytes: int = 0
     recomputed: int = 0
-    faults: dict[int, str] = field(default_factory=dict)
+    faults: int = 0
+    """Chunks whose file was missing or corrupt, recomputed instead."""
+    failed: dict[int, str] = field(default_factory=dict)
+    """Those chunks' error codes."""
+    seconds: float = 0.0
+    """Wall time of the restore itself."""
     timeline: list = field(default_factory=list)
-    """(what, layer or group, start, end), time.monotonic() seconds."""
+    """(what, layer or group, start, end) events, time.monotonic() seconds, for pipeline tests."""
 
 
 def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
@@ -73,10 +82,10 @@ def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool)
     return shm, torch.from_numpy(arr)
 
 
-def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable, resolve: Callable[[list], list]) -> RestoreResult:
+def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable, resolve: Callable[[list], list]) -> RestoreStats:
     """Fill `ws` for `req`: decode resident chunks, decode each streamed layer group of the loaded
     chunks and recompute the same layers of the planned chunks right after."""
-    res = RestoreResult()
+    res = RestoreStats()
     kv = ws.kv.numpy()
     ws.truncate(0)
     ws.reserve(req.kv_tokens)
@@ -99,17 +108,18 @@ def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable,
                 s, e = ws.chunk_range(i)
                 codecs.decode(enc, out=kv[a:b, :, :, s:e])
                 res.loaded_bytes += enc.nbytes
-            res.faults.update(grp.failed)
+            res.failed.update(grp.failed)
             res.timeline.append(("decode", grp.index, t, time.monotonic()))
-            if job is not None and not res.faults:
+            if job is not None and not res.failed:
                 for layer in grp.layers:
                     t = time.monotonic()
                     model.recompute_layer(ws, job, layer)
                     res.timeline.append(("recompute", layer, t, time.monotonic()))
-        res.loaded = len(set(req.load) - set(res.faults))
-        ws.mark_present(set(req.load) - set(res.faults))
-    if res.faults:  # some file failed: recompute it and everything planned, all layers, exactly
-        chunks = sorted(set(req.recompute) | set(res.faults))
+        res.loaded = len(set(req.load) - set(res.failed))
+        ws.mark_present(set(req.load) - set(res.failed))
+    res.faults = len(res.failed)
+    if res.failed:  # some file failed: recompute it and everything planned, all layers, exactly
+        chunks = sorted(set(req.recompute) | set(res.failed))
         t = time.monotonic()
         model.recompute(ws, req.token_ids, chunks)
         res.timeline.append(("recompute", -1, t, time.monotonic()))
@@ -147,7 +157,7 @@ class RecomputeWorker:
             self.ws = KVCache.wrap(self.model.cfg, buf, chunk_tokens=self.chunk_tokens)
         return self.ws
 
-    def restore(self, req: RestoreRequest) -> RestoreResult:
+    def restore(self, req: RestoreRequest) -> RestoreStats:
         import ray
 
         ws = self._attach(req.shm_name, req.capacity)

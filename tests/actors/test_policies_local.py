@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from actors.executor import RestoreStats
 from actors.service import LocalService, ServiceConfig
 from bench.passages import load_passages
 from engine.config import EngineConfig
@@ -138,7 +137,7 @@ def test_lossy_policies_stay_within_perplexity_bound(policy, small_engine, texts
     for c in ctxs[:4]:
         ex = svc.executor
         plan = svc.governor.begin_call(c, "app")
-        ex._restore(plan, RestoreStats())
+        ex._restore(plan)
         ex.ws_ctx = None
         k = plan.kv_tokens
         a, m = nll(model, ex.ws, held_out)
