@@ -22,7 +22,7 @@ test: venv
 	$(BIN)/python -m pytest -q --durations=25 tests
 
 serve: venv
-	$(BIN)/llmaas chat
+	$(BIN)/llmaas serve
 
 # Benchmarks, not tests: each writes its section of docs/benchmarks.md (about 12 minutes on 2 cores).
 bench: venv

@@ -31,6 +31,7 @@ from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, Context as EngineContext
 from engine.density import DensityTracker
 from engine.kvcache import KVCache
+from engine.sampling import BadRequestError
 from storage import codecs
 
 
@@ -59,6 +60,10 @@ def density_from_blob(blob: bytes, tr: DensityTracker) -> None:
     n = len(blob) // 16
     tr.sums = np.frombuffer(blob[: 8 * n], "<f8").copy()
     tr.rows = np.frombuffer(blob[8 * n :], "<i8").copy()
+
+
+class CallTimeoutError(TimeoutError):
+    code = "timeout"
 
 
 class InProcessRestorer:
@@ -185,11 +190,29 @@ class ModelExecutor:
         self._lock = threading.Lock()
 
     # ---- contexts ---------------------------------------------------------------------------------
-    def new_ctx(self, app: str, system_prompt: str | None = None) -> str:
-        ids = self.engine.tok.system_ids(system_prompt)
+    def new_ctx(self, app: str, system_prompt: str | None = None,
+                history: list[tuple[str, str]] | None = None) -> str:
+        """Create a context; `history` seeds it with earlier (role, text) turns, `user` or `assistant`
+        (a stateless OpenAI-style call): their ids are prefilled with the next call."""
+        from engine.context import PromptTooLongError
+
+        tok = self.engine.tok
+        turns = [Turn("system", system_prompt)] if system_prompt is not None else []
+        for role, text in history or []:
+            if role not in ("user", "assistant") or not isinstance(text, str):
+                raise BadRequestError("history turns are (user|assistant, text)")
+            turns.append(Turn(role, text, tok.encode(text) if role == "assistant" else None))
+        if history:
+            ids = tok.conversation_ids(Conversation(turns))
+        else:
+            ids = tok.system_ids(system_prompt)
+        if len(ids) > self.engine.tail_room():
+            raise PromptTooLongError(f"the conversation of {len(ids)} tokens does not fit the context limit "
+                                     f"of {self.engine.limit} tokens")
         ctx = self.gov.new_ctx(app, system_prompt or "")
-        state = {"system_prompt": system_prompt, "turns": [], "kv_tokens": 0, "overflows": 0}
-        self.gov.registry.save_state(ctx, np.asarray(ids, dtype=np.int64), self.engine.tok.decode(ids), json.dumps(state), b"")
+        state = {"system_prompt": system_prompt, "turns": [{"role": t.role, "text": t.text} for t in turns] if history else [],
+                 "kv_tokens": 0, "overflows": 0}
+        self.gov.registry.save_state(ctx, np.asarray(ids, dtype=np.int64), tok.decode(ids), json.dumps(state), b"")
         return ctx
 
     def flush(self) -> None:
@@ -199,9 +222,12 @@ class ModelExecutor:
             self._pending = None
 
     # ---- a call -----------------------------------------------------------------------------------
-    def call(self, app: str | None, ctx_id: str, prompt: str, **params):
-        """Generator of text deltas; returns a `CallOutcome` (StopIteration.value)."""
+    def call(self, app: str | None, ctx_id: str, prompt: str, deadline: float | None = None, **params):
+        """Generator of text deltas; returns a `CallOutcome` (StopIteration.value). `deadline`
+        (`time.time()` seconds): past it the call stops, rolls back and raises `CallTimeoutError`."""
         with self._lock:
+            if deadline is not None and time.time() > deadline:
+                raise CallTimeoutError("the call waited past its deadline before it started")
             t0 = time.perf_counter()
             self.flush()  # a pending write-back is waited for inside switch_ms
             cached = self.ws_ctx == ctx_id and not self.ws.missing
@@ -218,7 +244,10 @@ class ModelExecutor:
                 ectx = self._engine_context(plan)
                 old_kv, old_overflows = ectx.cache.length, ectx.overflows
                 stream = self.engine.stream(ectx, prompt, **params)
-                yield from stream
+                for delta in stream:
+                    if deadline is not None and time.time() > deadline:
+                        raise CallTimeoutError("the call ran past its deadline; its turn was rolled back")
+                    yield delta
                 r = stream.result
                 first_modified = 0 if ectx.overflows != old_overflows else old_kv // self.chunk
                 todo = self._commit(plan, ectx, first_modified, restored=list(plan.recompute))

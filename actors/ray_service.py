@@ -154,8 +154,7 @@ class ExecutorActor:
         engine.fingerprint = fingerprint
         # a new segment per executor process: a restarted executor never shares a stale one
         shm_name = f"{prefix}-ws-{os.getpid()}"
-        for stale in Path("/dev/shm").glob(f"{prefix}-ws-*"):
-            stale.unlink(missing_ok=True)
+        _unlink_stale_segments()
         self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True)
         ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
         self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle),
@@ -163,8 +162,8 @@ class ExecutorActor:
                                 working_set=ws, put=ray.put, background=True)  # write-back after the reply
         model.warmup()
 
-    def new_ctx(self, app: str, system_prompt: str | None) -> str:
-        return self.ex.new_ctx(app, system_prompt)
+    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None) -> str:
+        return self.ex.new_ctx(app, system_prompt, history)
 
     def call(self, app: str | None, ctx: str, prompt: str, params: dict):
         """Streaming generator: text deltas (str), then the outcome as a dict."""
@@ -197,6 +196,7 @@ class RayService:
 
         self.cfg = config
         resolved = resolve_model(model_path, progress=True)
+        self.model_id = model_name(resolved)
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         cfgd = asdict(config)
         common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
@@ -258,6 +258,27 @@ class RayService:
         finally:
             for h in (self.executor, self.recompute, self.gov, self.io):
                 ray.kill(h)
+
+
+def model_name(resolved) -> str:
+    """The id clients see for the model (OpenAI `model`): the checkpoint's file or folder name."""
+    src = Path(resolved.source)
+    return src.stem if src.suffix == ".gguf" else src.name
+
+
+def _unlink_stale_segments() -> None:
+    """Remove working-set segments left by executors that died without closing them (their name ends
+    in the dead process's id); a segment of a live process is left alone."""
+    for seg in Path("/dev/shm").glob("*-ws-*"):
+        pid = seg.name.rsplit("-", 1)[-1]
+        if not seg.name.startswith("llmaas") or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            seg.unlink(missing_ok=True)
+        except PermissionError:
+            pass
 
 
 def _store_cfg(c: ServiceConfig):

@@ -1,13 +1,15 @@
 """The `llmaas` command line.
 
-`llmaas generate` runs one prompt through the engine in this process; `llmaas chat` is an interactive
-multi-turn conversation on one context. Generated text goes to stdout, everything else to stderr, so
-the output can be piped.
+`llmaas serve` runs the HTTP service (Ray Serve) until Ctrl-C. `llmaas generate` runs one prompt through
+the engine in this process; `llmaas chat` is an interactive multi-turn conversation on one context, in
+this process or, with `--url`, on a running server. `llmaas contexts list|show|delete` manages an app's
+contexts on a server. Generated text goes to stdout, everything else to stderr, so output can be piped.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -68,25 +70,104 @@ def cmd_generate(args) -> int:
 CHAT_HELP = """commands: /reset (new context), /stats (context size and timings), /exit (or Ctrl-D)"""
 
 
+def _prompts(interactive: bool):
+    """User turns from stdin, one per line, until EOF or /exit (blank lines skipped)."""
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        prompt = line.rstrip("\n")
+        if not prompt.strip():
+            continue
+        if prompt.strip() in ("/exit", "/quit"):
+            return
+        yield prompt
+
+
+def _remote(args):
+    from deploy.client import Client
+
+    token = args.token or os.environ.get("LLMAAS_TOKEN")
+    if not token:
+        raise SystemExit("llmaas: error: a server call needs an app token: --token or LLMAAS_TOKEN "
+                         "(an admin registers apps: POST /v1/apps)")
+    return Client(args.url, token)
+
+
+def cmd_chat_remote(args) -> int:
+    from deploy.client import ServiceError
+
+    client = _remote(args)
+    ctx = args.context or client.new_ctx(args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"llmaas chat on {args.url}, context {ctx}. /exit (or Ctrl-D) ends.", file=sys.stderr)
+    elif not args.context:
+        print(f"llmaas: context {ctx}", file=sys.stderr)
+    for prompt in _prompts(interactive):
+        stream = client.stream(ctx, prompt, **{k: v for k, v in _sampling(args).items() if v is not None and v != ()})
+        try:
+            for delta in stream:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except ServiceError as e:
+            print(f"\nllmaas: error: {e.code}: {e.message}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if args.verbose and stream.result is not None:
+            print(f"llmaas: switch {stream.result.switch_ms:.1f} ms, {stream.result.usage['completion_tokens']} tokens",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_contexts(args) -> int:
+    client = _remote(args)
+    if args.action == "list":
+        rows = client.contexts()
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            for r in rows:
+                print(f"{r['id']}  {r['tokens']:6d} tokens  last used {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r['last_used']))}")
+        return 0
+    if not args.id:
+        raise SystemExit(f"llmaas: error: `contexts {args.action}` needs a context id")
+    if args.action == "show":
+        info = client.context(args.id)
+        if args.json:
+            print(json.dumps(info, indent=1))
+        else:
+            c = info["chunks"]
+            print(f"context {info['id']}: {info['tokens']} tokens, {c['total']} chunks "
+                  f"(resident {c['resident'] or '-'}, swapped {c['swapped'] or '-'}, to recompute {c['to_recompute']})")
+            for t in info["turns"]:
+                print(f"[{t['role']}] {t['text']}")
+        return 0
+    client.delete_ctx(args.id)
+    print(f"deleted {args.id}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from deploy.server import serve_forever
+
+    return serve_forever(args)
+
+
 def cmd_chat(args) -> int:
     _check_sampling(args)
+    if args.url:
+        return cmd_chat_remote(args)
     engine = _engine(args)
     ctx = engine.new_ctx(args.system)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"llmaas chat on {engine.model.device}. {CHAT_HELP}", file=sys.stderr)
     last = None
-    while True:
-        if interactive:
-            print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            break
-        prompt = line.rstrip("\n")
-        if not prompt.strip():
-            continue
-        if prompt.strip() in ("/exit", "/quit"):
-            break
+    for prompt in _prompts(interactive):
         if prompt.strip() == "/reset":
             engine.delete_ctx(ctx)
             ctx = engine.new_ctx(args.system)
@@ -143,6 +224,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="timings on stderr")
 
 
+def _add_server_args(p: argparse.ArgumentParser, required: bool) -> None:
+    default = os.environ.get("LLMAAS_URL") or ("http://127.0.0.1:8000" if required else None)
+    p.add_argument("--url", default=default,
+                   help="server address" + (" (default $LLMAAS_URL or http://127.0.0.1:8000)" if required
+                                            else "; without it the model runs in this process"))
+    p.add_argument("--token", default=None, help="the app's bearer token (default $LLMAAS_TOKEN)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmaas",
@@ -158,7 +247,36 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive multi-turn chat on one context",
                        description="Interactive multi-turn chat on one context; one line per user turn. " + CHAT_HELP)
     _add_model_args(c)
+    _add_server_args(c, required=False)
+    c.add_argument("--context", metavar="ID", help="with --url: continue this context (default: a new one)")
     c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="run the HTTP service (Ray Serve) until Ctrl-C",
+                       description="Start a local Ray (dashboard and Jobs API on 127.0.0.1, token authentication "
+                                   "on) and the context service's HTTP API; serve until Ctrl-C, then shut "
+                                   "everything down. Options also come from --config (YAML or JSON with the keys "
+                                   "of actors.service.ServiceConfig and deploy.settings.ServerConfig); flags win.")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    s.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="registry, chunk files and tokens (default $LLMAAS_DATA_DIR or ./data)")
+    s.add_argument("--config", default=None, metavar="FILE", help="YAML or JSON options file")
+    s.add_argument("--policy", default=None, metavar="NAME",
+                   help="memory policy set: llms (default), lmk, swap, vllm-s, vllm-sq, llms-no-* ablations")
+    s.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
+                   help="KV pool budget in bytes of resident chunks as stored (default 256 MiB)")
+    s.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
+                   help="GGUF file or checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--dashboard-port", type=int, default=8265, help="Ray dashboard / Jobs API port (default 8265)")
+    s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    s.add_argument("-v", "--verbose", action="store_true", help="Ray and actor logs on the console")
+    s.set_defaults(func=cmd_serve)
+    ct = sub.add_parser("contexts", help="list, show or delete an app's contexts on a server",
+                        description="Manage an app's contexts on a running server.")
+    ct.add_argument("action", choices=["list", "show", "delete"])
+    ct.add_argument("id", nargs="?", help="context id (show, delete)")
+    ct.add_argument("--json", action="store_true", help="print JSON")
+    _add_server_args(ct, required=True)
+    ct.set_defaults(func=cmd_contexts)
     pr = sub.add_parser("profile", help="measure recompute and read costs for the restore planner, cache them",
                         description="Measure T_re (recompute x chunks) and T_io (read and decode m bytes of "
                                     "chunk files) on this machine and cache the fitted profile per machine, "
@@ -177,12 +295,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine.loader import ModelNotFoundError
     from engine.sampling import BadRequestError
+    from scheduler.errors import UnknownNameError
 
     try:
         return args.func(args)
-    except (BadRequestError, ModelNotFoundError) as e:
+    except (BadRequestError, ModelNotFoundError, UnknownNameError, ValueError, OSError) as e:
         print(f"llmaas: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a server's error: code and message, no traceback
+        from deploy.client import ServiceError
+
+        if isinstance(e, ServiceError):
+            print(f"llmaas: error: {e.code}: {e.message}", file=sys.stderr)
+            return 1
+        raise
     except KeyboardInterrupt:
         return 130
 

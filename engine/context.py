@@ -148,7 +148,7 @@ class ContextEngine:
             raise BadRequestError("system_prompt must be a string")
         conv = Conversation([Turn("system", system_prompt)] if system_prompt is not None else [])
         ids = self.tok.system_ids(system_prompt)
-        if len(ids) > self._tail_room():
+        if len(ids) > self.tail_room():
             raise PromptTooLongError(f"system prompt of {len(ids)} tokens exceeds the context limit")
         ctx = Context(
             id=secrets.token_hex(16),
@@ -186,14 +186,14 @@ class ContextEngine:
             raise BadRequestError("prompt must be a string")
         sp = SamplingParams(**params)
         new_ids = self.tok.user_turn_ids(ctx.conv, prompt)
-        if len(new_ids) + 1 > self._tail_room():
+        if len(new_ids) + 1 > self.tail_room():
             raise PromptTooLongError(
                 f"prompt of {len(new_ids)} tokens does not fit the context limit of {self.limit} tokens"
             )
         return CallStream(self._run(ctx, prompt, new_ids, sp))
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _tail_room(self) -> int:
+    def tail_room(self) -> int:
         """Most tokens a fresh turn may take: what overflow keeps, less the sink chunk."""
         return int(self.limit * self.cfg.overflow_keep_fraction) - self.cfg.chunk_tokens
 
@@ -255,7 +255,7 @@ class ContextEngine:
             raise BadRequestError("prompt must be a non-empty string")
         sp = SamplingParams(**params)
         ids = self.tok.encode_document(prompt)
-        if len(ids) + 1 > self._tail_room():
+        if len(ids) + 1 > self.tail_room():
             raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit the context limit of {self.limit} tokens")
         ctx = Context(
             id="",

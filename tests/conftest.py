@@ -64,10 +64,12 @@ def real_kv(engine):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray for the whole test session (2 CPUs, no dashboard)."""
+    """One local Ray for the whole test session (no dashboard). Four logical CPUs: the session's Serve
+    application holds two (executor, recompute worker) while other tests start their own actors; each
+    actor still runs one torch thread."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()

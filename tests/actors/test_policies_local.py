@@ -117,6 +117,13 @@ def test_lossless_policies_match_unconstrained(policy, small_engine, texts, refe
     assert min(len(svc.registry.get_context(c).token_ids) for c in ctxs) >= 64  # >= 4 full chunks
     ref, _ = reference
     assert outs == ref
+    # deleting a context frees its pool bytes, its rows and its files
+    held = held_bytes(svc)
+    gone = max(ctxs, key=lambda c: sum(ch.nbytes for ch in svc.governor.books[c].chunks.values()))
+    svc.delete_ctx(tok, gone)
+    assert gone not in svc.governor.books and gone not in [s.id for s in svc.registry.list_contexts("app")]
+    assert not list((tmp_path / policy / "chunks").glob(f"**/{gone}*"))
+    assert held_bytes(svc) <= held
     svc.close()
 
 

@@ -1,0 +1,206 @@
+"""What the HTTP API accepts and answers (DESIGN.md §6), free of Ray and of the model: request bodies,
+the error shape with its stable codes, id checks, and how an OpenAI `messages` list meets a stored
+conversation. `deploy.serve_app` wires these to the actors.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+STATUS: dict[str, int] = {
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "unknown_context": 404,
+    "method_not_allowed": 405,
+    "timeout": 408,
+    "conversation_conflict": 409,
+    "context_busy": 409,
+    "context_limit": 409,
+    "app_exists": 409,
+    "prompt_too_long": 413,
+    "context_too_long": 413,
+    "body_too_large": 413,
+    "invalid_request": 422,
+    "invalid_key": 422,
+    "unknown_policy": 422,
+    "overloaded": 429,
+    "capacity": 503,
+    "kv_pool_budget": 503,
+    "not_enough_evictable": 503,
+    "unavailable": 503,
+    "internal": 500,
+}
+"""HTTP status of every error code the API answers with."""
+
+RETRY_AFTER_S = {"overloaded": 1, "capacity": 2, "kv_pool_budget": 2, "not_enough_evictable": 2, "unavailable": 5}
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"code", "message"}}` with the code's status."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code if code in STATUS else "internal"
+        self.message = message
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.code]
+
+    def body(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+    def headers(self) -> dict[str, str]:
+        s = RETRY_AFTER_S.get(self.code)
+        return {"Retry-After": str(s)} if s else {}
+
+
+def from_exception(e: BaseException) -> APIError:
+    """Map an exception raised by the service (typed, with a stable `code`) to an API error."""
+    if isinstance(e, APIError):
+        return e
+    code = getattr(type(e), "code", None) or getattr(e, "code", None)
+    if code == "unknown_app":
+        return APIError("unauthorized", "missing or unknown bearer token")
+    if code in ("unknown_context", "not_found"):
+        return APIError("not_found", "no such context")
+    if isinstance(code, str) and code in STATUS:
+        return APIError(code, str(e) or code)
+    if isinstance(e, TimeoutError):
+        return APIError("timeout", str(e) or "the request timed out")
+    return APIError("internal", f"internal error ({type(e).__name__})")
+
+
+# ---- ids ---------------------------------------------------------------------------------------------
+
+_CTX_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def check_context_id(ctx: str) -> str:
+    """Context ids are 32 lowercase hex digits (server-made): anything else is unknown, checked
+    before it reaches the registry or a path."""
+    if not isinstance(ctx, str) or _CTX_ID.fullmatch(ctx) is None:
+        raise APIError("not_found", "no such context")
+    return ctx
+
+
+def check_app_name(name: str) -> str:
+    if not isinstance(name, str) or not 1 <= len(name) <= 128 or not name.isprintable() or name.strip() != name:
+        raise APIError("invalid_request", "app name must be 1-128 printable characters without outer spaces")
+    return name
+
+
+# ---- bodies ------------------------------------------------------------------------------------------
+
+MAX_TOKENS_CAP = 4096
+MAX_TEXT = 1 << 20  # characters in one text field; the body limit usually bites first
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+Text = Annotated[StrictStr, Field(max_length=MAX_TEXT)]
+StopText = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class Sampling(_Strict):
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CAP)] = 256
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    seed: Annotated[StrictInt, Field(ge=0, lt=1 << 63)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
+
+    def params(self) -> dict:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed, "stop": tuple(stop)}
+
+
+class BindBody(_Strict):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+
+
+class NewContextBody(_Strict):
+    system_prompt: Text | None = None
+
+
+class CallBody(Sampling):
+    prompt: Text
+    stream: StrictBool = False
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "user", "assistant"]
+    content: Text
+
+
+class ChatCompletionBody(Sampling):
+    """OpenAI's chat completion request; fields this service does not use are ignored, as OpenAI-
+    compatible servers do (`n` must be 1)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: Annotated[StrictStr, Field(max_length=256)] = ""
+    messages: Annotated[list[Message], Field(min_length=1, max_length=1024)]
+    stream: StrictBool = False
+    context_id: StrictStr | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CAP)] | None = None
+
+
+# ---- stateful OpenAI calls ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Reconciled:
+    prompt: str
+    """The one new user turn to call the context with."""
+
+
+def reconcile(stored: list[dict], messages: list[Message]) -> Reconciled:
+    """DESIGN.md §6: `messages` holds only the new turns, or the whole conversation. When it begins
+    with the stored conversation (`stored`: the context's turns, `{"role", "text"}`), only the rest is
+    new; a message list that restates history differently (an assistant or system turn that does not
+    match) is a conflict (409). What is new must be exactly one user turn."""
+    msgs = [(m.role, m.content) for m in messages]
+    have = [(t["role"], t["text"]) for t in stored]
+    if len(msgs) > len(have) and _same(msgs[: len(have)], have):
+        new = msgs[len(have):]
+    elif all(r == "user" for r, _ in msgs):
+        new = msgs
+    else:
+        raise APIError("conversation_conflict",
+                       "messages do not begin with the context's stored conversation "
+                       f"({len(have)} turns); send only the new user turn or the whole conversation")
+    if any(r != "user" for r, _ in new):
+        raise APIError("conversation_conflict", "the new turns may not include assistant or system turns "
+                       "that the context does not hold")
+    if len(new) != 1:
+        raise APIError("invalid_request", "a stateful call takes exactly one new user turn")
+    return Reconciled(new[0][1])
+
+
+def _same(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> bool:
+    return all(ra == rb and ta.strip() == tb.strip() for (ra, ta), (rb, tb) in zip(a, b, strict=True))
+
+
+def split_stateless(messages: list[Message]) -> tuple[str | None, list[tuple[str, str]], str]:
+    """A stateless conversation as (system prompt, earlier turns, the final user prompt)."""
+    msgs = [(m.role, m.content) for m in messages]
+    system = None
+    if msgs and msgs[0][0] == "system":
+        system = msgs[0][1]
+        msgs = msgs[1:]
+    if not msgs or msgs[-1][0] != "user":
+        raise APIError("invalid_request", "the last message must be a user turn")
+    if any(r == "system" for r, _ in msgs):
+        raise APIError("invalid_request", "a system message may only come first")
+    return system, msgs[:-1], msgs[-1][1]

@@ -1,0 +1,508 @@
+"""The HTTP API as a Ray Serve application (DESIGN.md §6): a FastAPI ingress deployment in front of the
+context service's actors (memory governor, KV swap/IO worker, recompute worker, model executor).
+
+The ingress requests no CPU: it checks tokens and bodies, bounds the calls in flight and queued, and
+turns actor results into JSON or Server-Sent Events. It starts the actors itself (owned by the replica,
+so `serve shutdown` takes them down too); their state lives in the registry and the chunk files under
+the data directory, so a restarted server loses nothing.
+
+Run it with `llmaas serve` (or `make serve`), `serve run deploy.serve_app:build data_dir=...`, or
+`serve deploy deploy/serve_config.yaml`.
+"""
+
+
+import asyncio
+import hmac
+import json
+import os
+import time
+import uuid
+from dataclasses import fields
+from typing import Any, AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from actors.service import ServiceConfig
+from deploy.settings import ServerConfig, admin_token
+from deploy.api_models import (
+    APIError, BindBody, CallBody, ChatCompletionBody, NewContextBody, check_app_name, check_context_id,
+    from_exception, reconcile, split_stateless,
+)
+
+
+# ---- calling the actors from async code --------------------------------------------------------------
+
+async def _aget(method, *args, deadline_s: float = 60.0, **kwargs):
+    """`await method.remote(...)`, retried while the actor restarts (it rebuilds from the registry)."""
+    delay, end = 0.05, time.monotonic() + deadline_s
+    while True:
+        try:
+            return await method.remote(*args, **kwargs)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > end:
+                raise APIError("unavailable", "the service is restarting; retry") from None
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The service's own exception under Ray's wrappers (an actor calling another actor wraps twice)."""
+    for _ in range(8):
+        if not isinstance(e, ray.exceptions.RayTaskError) or e.cause is None or e.cause is e:
+            break
+        e = e.cause
+    if isinstance(e, (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError)):
+        return APIError("unavailable", "a service actor restarted during the request; retry")
+    return e
+
+
+class _Limiter:
+    """At most `ongoing` calls hold a slot and `queued` wait for one; the rest are turned away."""
+
+    def __init__(self, ongoing: int, queued: int) -> None:
+        self.sem = asyncio.Semaphore(max(1, ongoing))
+        self.queued, self.waiting = queued, 0
+
+    async def acquire(self, timeout_s: float) -> None:
+        if self.sem.locked() and self.waiting >= self.queued:
+            raise APIError("overloaded", f"{self.waiting} calls are already queued; retry later")
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self.sem.acquire(), timeout_s)
+        except TimeoutError:
+            raise APIError("timeout", "the call waited too long for the model") from None
+        finally:
+            self.waiting -= 1
+
+    def release(self) -> None:
+        self.sem.release()
+
+
+class _BodyLimit:
+    """ASGI middleware: bodies over `limit` bytes answer 413 before anything parses them."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and (not v.isdigit() or int(v) > self.limit):
+                return await _send_error(send, APIError("body_too_large", f"request body over {self.limit} bytes"))
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return msg
+
+        try:
+            return await self.app(scope, limited, send)
+        except _TooLarge:
+            return await _send_error(send, APIError("body_too_large", f"request body over {self.limit} bytes"))
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_error(send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers().items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+api = FastAPI(
+    title="llmaas",
+    version="0.1",
+    description="An LLM context service for edge devices: persistent per-app contexts whose KV caches are "
+                "compressed, swapped and recomputed so that switching between them is fast.",
+)
+
+
+_BODY_LIMIT = [1 << 20]  # this replica's limit (set from ServerConfig at start)
+
+
+class _ConfiguredBodyLimit(_BodyLimit):
+    def __init__(self, app) -> None:
+        super().__init__(app, 0)
+
+    @property
+    def limit(self) -> int:  # type: ignore[override]
+        return _BODY_LIMIT[0]
+
+    @limit.setter
+    def limit(self, _v) -> None:
+        pass
+
+
+api.add_middleware(_ConfiguredBodyLimit)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_request: Request, e: APIError):
+    return _error_response(e)
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid(_request: Request, e: RequestValidationError):
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    msg = first.get("msg", "invalid request")
+    return _error_response(APIError("invalid_request", f"{where}: {msg}" if where else msg))
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_request: Request, e: StarletteHTTPException):
+    code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
+        e.status_code, "invalid_request")
+    return JSONResponse({"error": {"code": code, "message": str(e.detail)}}, status_code=e.status_code)
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_request: Request, e: Exception):
+    return _error_response(from_exception(_cause(e)))
+
+
+def _bearer(request: Request) -> str:
+    h = request.headers.get("authorization", "")
+    scheme, _, token = h.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise APIError("unauthorized", "send Authorization: Bearer <token>")
+    return token.strip()
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def _chain(head: list, rest):
+    """`head`, then the rest of the call's events; the call's generator is closed in the end (its
+    limiter slot is released even when the consumer stops early)."""
+    try:
+        for x in head:
+            yield x
+        async for x in rest:
+            yield x
+    finally:
+        await rest.aclose()
+
+
+def _sse_response(head: list, events, on_delta, on_done, first: dict | None = None, cleanup=None) -> StreamingResponse:
+    """A call's events as Server-Sent Events: `first`, each delta and the outcome rendered by the
+    callbacks, an error event if the call fails midway, then `[DONE]`."""
+    async def gen():
+        chain = _chain(head, events)
+        try:
+            if first is not None:
+                yield _sse(first)
+            async for item in chain:
+                yield _sse(on_done(item) if isinstance(item, dict) else on_delta(item))
+        except APIError as e:
+            yield _sse(e.body())
+        finally:
+            await chain.aclose()
+            if cleanup is not None:
+                await cleanup()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+async def _outcome(head: list, events) -> dict:
+    """Run a call to its end; its outcome."""
+    chain = _chain(head, events)
+    try:
+        async for item in chain:
+            if isinstance(item, dict):
+                return item
+    finally:
+        await chain.aclose()
+    raise APIError("internal", "the call ended without an outcome")
+
+
+def _usage(o: dict) -> dict:
+    return {"prompt_tokens": o["prompt_tokens"], "completion_tokens": o["completion_tokens"],
+            "total_tokens": o["prompt_tokens"] + o["completion_tokens"]}
+
+
+def _call_reply(o: dict) -> dict:
+    r = o["restore"]
+    return {
+        "text": o["text"], "finish_reason": o["finish_reason"], "usage": _usage(o),
+        "switch_ms": o["switch_ms"], "ttft_ms": o["ttft_s"] * 1000, "total_ms": o["total_s"] * 1000,
+        "restore": {"resident": r["resident"], "loaded": r["loaded"], "loaded_bytes": r["loaded_bytes"],
+                    "recomputed": r["recomputed"], "faults": r["faults"],
+                    "predicted_ms": o["predicted_restore_ms"]},
+        "cached_tokens": o["cached_tokens"],
+    }
+
+
+@serve.deployment(
+    name="llmaas",
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=64,
+    max_queued_requests=64,
+    health_check_period_s=10,
+    health_check_timeout_s=30,
+)
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, service: "dict | None" = None, server: "dict | None" = None) -> None:
+        from actors.ray_service import RayService
+
+        self.cfg = ServiceConfig(**(service or {}))
+        self.server = ServerConfig(**(server or {}))
+        self.admin = admin_token(self.cfg.data_dir, self.server.admin_token_file)
+        _BODY_LIMIT[0] = self.server.max_body_bytes
+        self.limiter = _Limiter(self.server.max_ongoing_calls, self.server.max_queued_calls)
+        # actors of this replica (a new replica makes new ones; the registry and files carry the state)
+        self.svc = RayService(self.cfg, model_path=self.server.model or None,
+                              prefix=f"llmaas-{uuid.uuid4().hex[:8]}")
+        self.gov, self.executor = self.svc.gov, self.svc.executor
+        self.model_id = self.svc.model_id
+        self.ready = True
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    async def _app(self, request: Request) -> str:
+        token = _bearer(request)
+        try:
+            return await _aget(self.gov.registry_call, "app_for_token", token)
+        except Exception as e:  # noqa: BLE001 - mapped to a typed API error
+            raise from_exception(_cause(e)) from None
+
+    def _is_admin(self, request: Request) -> None:
+        if not hmac.compare_digest(_bearer(request).encode(), self.admin.encode()):
+            raise APIError("unauthorized", "this route needs the admin token")
+
+    async def _do(self, method, *args, **kwargs):
+        try:
+            return await _aget(method, *args, **kwargs)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise from_exception(_cause(e)) from None
+
+    def _timeout(self, request: Request) -> float:
+        """The server's request timeout, or less when the client asks (`X-Request-Timeout`, seconds)."""
+        t = self.server.request_timeout_s
+        h = request.headers.get("x-request-timeout")
+        if h is not None:
+            try:
+                asked = float(h)
+            except ValueError:
+                raise APIError("invalid_request", "X-Request-Timeout must be a number of seconds") from None
+            if not 0 < asked < float("inf"):
+                raise APIError("invalid_request", "X-Request-Timeout must be a positive number of seconds")
+            t = min(t, asked)
+        return t
+
+    async def _events(self, app: str, ctx: str, prompt: str, params: dict, timeout_s: float) -> AsyncIterator[str | dict]:
+        """Text deltas of one call, then its outcome (a dict). Holds a limiter slot throughout."""
+        deadline = time.time() + timeout_s
+        await self.limiter.acquire(timeout_s)
+        try:
+            gen = self.executor.call.remote(app, ctx, prompt, dict(params, deadline=deadline))
+            try:
+                async for ref in gen:
+                    yield await ref
+            except Exception as e:  # noqa: BLE001
+                raise from_exception(_cause(e)) from None
+        finally:
+            self.limiter.release()
+
+    async def _first(self, events: AsyncIterator) -> tuple[list, AsyncIterator]:
+        """Run a call up to its first item, so that errors before any output become HTTP errors."""
+        head = []
+        try:
+            head.append(await events.__anext__())
+        except StopAsyncIteration:
+            pass
+        return head, events
+
+    # ---- health -------------------------------------------------------------------------------------
+    @api.get("/healthz", tags=["health"])
+    async def healthz(self):
+        return {"status": "ok"}
+
+    @api.get("/readyz", tags=["health"])
+    async def readyz(self):
+        try:
+            await asyncio.wait_for(self.gov.held_nbytes.remote(), 5)
+        except Exception:  # noqa: BLE001
+            return _error_response(APIError("unavailable", "the memory governor is not answering"))
+        return {"status": "ready", "model": self.model_id}
+
+    # ---- apps (admin) -------------------------------------------------------------------------------
+    @api.post("/v1/apps", status_code=201, tags=["apps"])
+    async def bind(self, body: BindBody, request: Request):
+        self._is_admin(request)
+        name = check_app_name(body.name)
+        token = await self._do(self.gov.registry_call, "create_app", name)
+        return {"name": name, "token": token}
+
+    @api.delete("/v1/apps/{name}", tags=["apps"])
+    async def unbind(self, name: str, request: Request):
+        self._is_admin(request)
+        check_app_name(name)
+        try:
+            ctxs = await _aget(self.gov.registry_call, "list_contexts", name)
+        except Exception as e:  # noqa: BLE001
+            raise from_exception(_cause(e)) from None
+        for c in ctxs:
+            await self._delete(c.id, name)
+        try:
+            await _aget(self.gov.registry_call, "delete_app", name)
+        except Exception as e:  # noqa: BLE001
+            if getattr(_cause(e), "code", "") == "unknown_app":
+                raise APIError("not_found", f"no app {name!r}") from None
+            raise from_exception(_cause(e)) from None
+        return {"name": name, "deleted_contexts": len(ctxs)}
+
+    # ---- contexts -----------------------------------------------------------------------------------
+    @api.post("/v1/contexts", status_code=201, tags=["contexts"])
+    async def new_ctx(self, request: Request, body: NewContextBody | None = None):
+        app = await self._app(request)
+        system = body.system_prompt if body else None
+        ctx = await self._do(self.executor.new_ctx, app, system)
+        return await self._do(self.gov.call, "describe", ctx, app)
+
+    @api.get("/v1/contexts", tags=["contexts"])
+    async def list_ctx(self, request: Request):
+        app = await self._app(request)
+        rows = await self._do(self.gov.registry_call, "list_contexts", app)
+        return {"contexts": [{"id": r.id, "tokens": r.n_tokens, "created": r.created, "last_used": r.last_used}
+                             for r in rows]}
+
+    @api.get("/v1/contexts/{ctx}", tags=["contexts"])
+    async def get_ctx(self, ctx: str, request: Request):
+        app = await self._app(request)
+        return await self._do(self.gov.call, "describe", check_context_id(ctx), app)
+
+    @api.delete("/v1/contexts/{ctx}", tags=["contexts"])
+    async def delete_ctx(self, ctx: str, request: Request):
+        app = await self._app(request)
+        await self._delete(check_context_id(ctx), app)
+        return {"id": ctx, "deleted": True}
+
+    async def _delete(self, ctx: str, app: str) -> None:
+        await self._do(self.gov.call, "describe", ctx, app)  # 404 before touching the executor
+        await self._do(self.executor.forget, ctx)
+        await self._do(self.gov.call, "delete_ctx", ctx, app)
+
+    @api.post("/v1/contexts/{ctx}/calls", tags=["contexts"])
+    async def call(self, ctx: str, body: CallBody, request: Request):
+        app = await self._app(request)
+        check_context_id(ctx)
+        events = self._events(app, ctx, body.prompt, body.params(), self._timeout(request))
+        head, events = await self._first(events)
+        if body.stream:
+            return _sse_response(head, events, lambda d: {"delta": d},
+                                 lambda o: {"done": True, **_call_reply(o)})
+        return {"id": ctx, **_call_reply(await _outcome(head, events))}
+
+    # ---- OpenAI compatibility -----------------------------------------------------------------------
+    @api.get("/v1/models", tags=["openai"])
+    async def models(self, request: Request):
+        await self._app(request)
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
+                                             "owned_by": "llmaas"}]}
+
+    @api.post("/v1/chat/completions", tags=["openai"])
+    async def chat_completions(self, body: ChatCompletionBody, request: Request):
+        app = await self._app(request)
+        params = body.params()
+        if body.max_completion_tokens is not None:
+            params["max_tokens"] = body.max_completion_tokens
+        temp = None
+        if body.context_id is not None:
+            ctx = check_context_id(body.context_id)
+            info = await self._do(self.gov.call, "describe", ctx, app)
+            prompt = reconcile(info["turns"], body.messages).prompt
+        else:  # stateless: a throwaway context seeded with the conversation so far
+            system, history, prompt = split_stateless(body.messages)
+            ctx = temp = await self._do(self.executor.new_ctx, app, system, history)
+        try:
+            events = self._events(app, ctx, prompt, params, self._timeout(request))
+            head, events = await self._first(events)
+        except BaseException:
+            if temp:
+                await self._delete_quietly(temp, app)
+            raise
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "created": created, "model": self.model_id}
+        cleanup = (lambda: self._delete_quietly(temp, app)) if temp else None
+        if body.stream:
+            def chunk(delta: dict, finish=None, **more) -> dict:
+                return {**base, "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more}
+
+            return _sse_response(
+                head, events, lambda d: chunk({"content": d}),
+                lambda o: chunk({}, o["finish_reason"], usage=_usage(o), context_id=body.context_id,
+                                switch_ms=o["switch_ms"]),
+                first=chunk({"role": "assistant", "content": ""}), cleanup=cleanup)
+        try:
+            o = await _outcome(head, events)
+        finally:
+            if cleanup is not None:
+                await cleanup()
+        return {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},
+                             "finish_reason": o["finish_reason"]}],
+                "usage": _usage(o), "context_id": body.context_id, "switch_ms": o["switch_ms"]}
+
+    async def _delete_quietly(self, ctx: str, app: str) -> None:
+        try:
+            await self._delete(ctx, app)
+        except Exception:  # noqa: BLE001 - a throwaway context; the call's own outcome matters
+            pass
+
+
+def build(args: dict | None = None):
+    """Application builder for `serve run deploy.serve_app:build key=value ...` and serve configs:
+    keys of `actors.service.ServiceConfig` and `ServerConfig`."""
+    args = dict(args or {})
+    svc_keys = {f.name: f.type for f in fields(ServiceConfig)}
+    srv_keys = {f.name: f.type for f in fields(ServerConfig)}
+    service, server = {}, {}
+    for k, v in args.items():
+        if k in svc_keys:
+            service[k] = _coerce(v, getattr(ServiceConfig(), k))
+        elif k in srv_keys:
+            server[k] = _coerce(v, getattr(ServerConfig(), k))
+        else:
+            raise ValueError(f"unknown option {k!r}; valid: {sorted(svc_keys) + sorted(srv_keys)}")
+    service.setdefault("data_dir", os.path.abspath(os.environ.get("LLMAAS_DATA_DIR", "./data")))
+    bound = Ingress.options(max_ongoing_requests=64).bind(service, server)
+    return bound
+
+
+def _coerce(v, default):
+    if isinstance(default, bool):
+        return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")
+    if isinstance(default, int):
+        return int(v)
+    if isinstance(default, float):
+        return float(v)
+    return str(v)
+
+
+app = build  # `serve run deploy.serve_app:app`

@@ -1,0 +1,189 @@
+"""The HTTP API end to end over real HTTP (Ray Serve on the session's local Ray): conversations equal the
+in-process engine, a restart loses nothing, app isolation, every error path, overload and timeouts."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import requests
+
+from deploy.client import Client, ServiceError
+
+SYSTEM = "You are terse."
+TURNS = ["Name a planet.", "Why is it red?", "Thank you. Summarise in five words."]
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """The same conversation on the in-process engine (greedy)."""
+    ctx = engine.new_ctx(SYSTEM)
+    out = [engine.call(ctx, p, max_tokens=12).text for p in TURNS]
+    engine.delete_ctx(ctx)
+    return out
+
+
+@pytest.fixture(scope="module")
+def admin(server):
+    return Client(server.url, server.admin)
+
+
+@pytest.fixture(scope="module")
+def app(server, admin):
+    return Client(server.url, admin.bind("http-tests"))
+
+
+def h(token):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_health_and_schema(server):
+    assert requests.get(server.url + "/healthz").json() == {"status": "ok"}
+    r = requests.get(server.url + "/readyz")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    schema = requests.get(server.url + "/openapi.json").json()
+    for path in ("/v1/apps", "/v1/contexts", "/v1/contexts/{ctx}/calls", "/v1/chat/completions", "/v1/models"):
+        assert path in schema["paths"], path
+
+
+def test_conversation_equals_engine_and_survives_restart(server, app, reference):
+    ctx = app.new_ctx(SYSTEM)
+    first = app.call(ctx, TURNS[0], max_tokens=12)
+    assert first.text == reference[0]
+    assert first.switch_ms >= 0 and first.usage["completion_tokens"] > 0
+    stream = app.stream(ctx, TURNS[1], max_tokens=12)
+    deltas = list(stream)
+    assert "".join(deltas) == stream.result.text == reference[1]
+    before = app.context(ctx)
+    assert [t["role"] for t in before["turns"]] == ["system", "user", "assistant", "user", "assistant"]
+
+    server.restart()  # new replica, new actors: the registry and chunk files carry the context
+    after = app.context(ctx)
+    assert after["turns"] == before["turns"] and after["tokens"] == before["tokens"]
+    third = app.call(ctx, TURNS[2], max_tokens=12)
+    assert third.text == reference[2]
+    assert third.raw["restore"]["resident"] == 0  # nothing was resident after the restart
+    assert third.raw["restore"]["loaded"] + third.raw["restore"]["recomputed"] > 0
+
+
+def test_app_isolation_and_tokens(server, admin, app):
+    other = Client(server.url, admin.bind("http-tests-other"))
+    mine = app.new_ctx()
+    unknown = "0" * 32
+    for ctx in (mine, unknown):  # another app's context answers exactly like an unknown one
+        r = requests.get(f"{server.url}/v1/contexts/{ctx}", headers=h(other.token))
+        assert r.status_code == 404 and r.json() == {"error": {"code": "not_found", "message": "no such context"}}
+        r = requests.post(f"{server.url}/v1/contexts/{ctx}/calls", json={"prompt": "hi"}, headers=h(other.token))
+        assert r.status_code == 404
+        r = requests.delete(f"{server.url}/v1/contexts/{ctx}", headers=h(other.token))
+        assert r.status_code == 404
+    assert mine not in [c["id"] for c in other.contexts()]
+    assert mine in [c["id"] for c in app.contexts()]
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic abc"}, {"Authorization": "Bearer "}):
+        r = requests.get(server.url + "/v1/contexts", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    # app routes need the admin token
+    r = requests.post(server.url + "/v1/apps", json={"name": "x"}, headers=h(app.token))
+    assert r.status_code == 401
+    with pytest.raises(ServiceError) as e:
+        admin.bind("http-tests")
+    assert e.value.status == 409 and e.value.code == "app_exists"
+    # unbinding deletes the app's contexts and invalidates its token
+    c = other.new_ctx("temporary")
+    admin.unbind("http-tests-other")
+    r = requests.get(f"{server.url}/v1/contexts/{c}", headers=h(other.token))
+    assert r.status_code == 401
+    with pytest.raises(ServiceError) as e:
+        admin.unbind("http-tests-other")
+    assert e.value.status == 404
+
+
+def test_bad_input_gets_4xx_and_leaves_contexts_alone(server, app):
+    ctx = app.new_ctx(SYSTEM)
+    app.call(ctx, "Say one word.", max_tokens=4)
+    before = app.context(ctx)
+    url = f"{server.url}/v1/contexts/{ctx}/calls"
+    hdr = {**h(app.token), "Content-Type": "application/json"}
+    bad = {
+        b"{": 422,
+        b"[]": 422,
+        b'{"prompt": 1}': 422,
+        b'{"prompt": "x", "max_tokens": -1}': 422,
+        b'{"prompt": "x", "max_tokens": 1000000000000}': 422,
+        b'{"prompt": "x", "max_tokens": "8"}': 422,
+        b'{"prompt": "x", "max_tokens": true}': 422,
+        b'{"prompt": "x", "temperature": 1e9}': 422,
+        b'{"prompt": "x", "temperature": NaN}': 422,
+        b'{"prompt": "x", "top_p": 0}': 422,
+        b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}': 422,
+        b'{"prompt": "x", "unknown_field": 1}': 422,
+        json.dumps({"prompt": "word " * 3000}).encode(): 413,  # over the 1024-token context limit
+        json.dumps({"prompt": "x" * 100_000}).encode(): 413,  # over the body limit
+    }
+    for body, status in bad.items():
+        r = requests.post(url, data=body, headers=hdr, timeout=60)
+        assert r.status_code == status, (body[:60], r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"code", "message"} and err["code"] and err["message"]
+    # a body over the limit sent without a length (chunked) is cut off too
+    r = requests.post(url, data=iter([b'{"prompt": "', b"x" * 70_000, b'"}']), headers=hdr)
+    assert r.status_code == 413
+    for hostile in ("..", "..%2F..%2Fetc%2Fpasswd", "%00", "a" * 10_000, ctx.upper(), ctx + "0", "%2e%2e"):
+        for method in ("GET", "DELETE"):
+            r = requests.request(method, f"{server.url}/v1/contexts/{hostile}", headers=h(app.token))
+            assert r.status_code == 404, (method, hostile[:20], r.status_code)
+        r = requests.post(f"{server.url}/v1/contexts/{hostile}/calls", json={"prompt": "x"}, headers=h(app.token))
+        assert r.status_code == 404
+    r = requests.post(f"{server.url}/v1/apps", json={"name": "a\x00b"}, headers=h(server.admin))
+    assert r.status_code == 422
+    after = app.context(ctx)
+    assert after["turns"] == before["turns"] and after["tokens"] == before["tokens"]
+    assert app.call(ctx, "One more word.", max_tokens=4).usage["completion_tokens"] > 0
+
+
+def test_timeout_answers_408_and_rolls_back(server, app):
+    ctx = app.new_ctx()
+    before = app.context(ctx)
+    r = requests.post(f"{server.url}/v1/contexts/{ctx}/calls",
+                      json={"prompt": "Count from 1 to 300, writing every number in words, one per line.",
+                            "max_tokens": 400},
+                      headers={**h(app.token), "X-Request-Timeout": "1"}, timeout=120)
+    assert r.status_code == 408 and r.json()["error"]["code"] == "timeout"
+    after = app.context(ctx)
+    assert not after["busy"] and after["turns"] == before["turns"]  # nothing half-done was kept
+    assert app.call(ctx, "Say hi.", max_tokens=4).usage["completion_tokens"] > 0  # not locked
+
+
+def test_burst_past_the_queue_gets_429_at_once(server, app):
+    ctxs = [app.new_ctx() for _ in range(8)]
+    results: list[requests.Response] = []
+    lock = threading.Lock()
+
+    def one(c):
+        r = requests.post(f"{server.url}/v1/contexts/{c}/calls", json={"prompt": "Say a color.", "max_tokens": 6},
+                          headers=h(app.token), timeout=120)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in ctxs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    assert set(codes) <= {200, 429}, codes
+    refused = [r for r in results if r.status_code == 429]
+    assert refused and codes.count(200) >= 2, codes  # one ongoing + 3 queued at most, the rest refused
+    assert all(r.headers.get("Retry-After") and r.json()["error"]["code"] == "overloaded" for r in refused)
+    assert all(r.elapsed.total_seconds() < 5 for r in refused)  # turned away at once, not after a wait
+
+
+def test_delete_context(server, app):
+    ctx = app.new_ctx()
+    app.call(ctx, "Hello.", max_tokens=4)
+    app.delete_ctx(ctx)
+    with pytest.raises(ServiceError) as e:
+        app.context(ctx)
+    assert e.value.status == 404
+    assert not (server.data_dir / "chunks" / ctx).exists() or not any((server.data_dir / "chunks" / ctx).iterdir())

@@ -1,0 +1,79 @@
+"""The official `openai` client against the server: chat, streaming, stateful calls via `context_id`,
+and the 409 for a conversation that contradicts the stored one."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.client import Client
+
+SYSTEM = "You are terse."
+
+
+@pytest.fixture(scope="module")
+def token(server):
+    return Client(server.url, server.admin).bind("openai-tests")
+
+
+@pytest.fixture(scope="module")
+def oai(server, token):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=token, max_retries=0, timeout=120)
+
+
+def test_models(oai):
+    ids = [m.id for m in oai.models.list().data]
+    assert len(ids) == 1 and ids[0]
+
+
+def test_stateless_chat_equals_engine(oai, engine):
+    # reference: the same conversation on the in-process engine, with the assistant turn as history
+    ctx = engine.new_ctx(SYSTEM)
+    first = engine.call(ctx, "Name a fruit.", max_tokens=10).text
+    want = engine.call(ctx, "What colour is it?", max_tokens=10).text
+    engine.delete_ctx(ctx)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}]
+    r = oai.chat.completions.create(model="any", messages=msgs, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == first
+    assert r.usage.completion_tokens > 0
+    msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "What colour is it?"}]
+    # a client-supplied assistant turn is re-tokenized from its text; for this reply the ids agree
+    r = oai.chat.completions.create(model="any", messages=msgs, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want
+    chunks = list(oai.chat.completions.create(model="any", messages=msgs, max_tokens=10, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stateful_chat_via_context_id(server, oai, token, engine):
+    ctx = engine.new_ctx(SYSTEM)
+    want = [engine.call(ctx, p, max_tokens=10).text for p in ("Name a tree.", "Where does it grow?", "Thanks!")]
+    engine.delete_ctx(ctx)
+    app = Client(server.url, token)
+    cid = app.new_ctx(SYSTEM)
+    # new turns only
+    r = oai.chat.completions.create(model="any", messages=[{"role": "user", "content": "Name a tree."}],
+                                    max_tokens=10, extra_body={"context_id": cid})
+    assert r.choices[0].message.content == want[0]
+    # the whole conversation: only the new turn is appended (streaming)
+    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a tree."},
+            {"role": "assistant", "content": want[0]}, {"role": "user", "content": "Where does it grow?"}]
+    chunks = oai.chat.completions.create(model="any", messages=conv, max_tokens=10, stream=True,
+                                         extra_body={"context_id": cid})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[1]
+    # a contradicting assistant turn is a conflict, and nothing changes
+    import openai
+
+    before = app.context(cid)
+    bad = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a tree."},
+           {"role": "assistant", "content": "A cactus."}, {"role": "user", "content": "Thanks!"}]
+    with pytest.raises(openai.ConflictError):
+        oai.chat.completions.create(model="any", messages=bad, max_tokens=10, extra_body={"context_id": cid})
+    assert app.context(cid)["turns"] == before["turns"]
+    r = oai.chat.completions.create(model="any", messages=[{"role": "user", "content": "Thanks!"}],
+                                    max_tokens=10, extra_body={"context_id": cid})
+    assert r.choices[0].message.content == want[2]
+    assert len(app.context(cid)["turns"]) == 7  # system + three user/assistant pairs
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}],
+                                    extra_body={"context_id": "f" * 32})
