@@ -50,6 +50,8 @@ class CallOutcome:
     total_s: float
     prefilled_tokens: int
     cached_tokens: int
+    hit: bool = False
+    """The working set still held the whole context: nothing was restored."""
 
 
 def density_blob(tr: DensityTracker) -> bytes:
@@ -274,6 +276,7 @@ class ModelExecutor:
             total_s=time.perf_counter() - t0,
             prefilled_tokens=r.prefilled_tokens,
             cached_tokens=r.cached_tokens,
+            hit=cached,
         )
 
     def _restore(self, plan: CallPlan) -> RestoreStats:

@@ -64,6 +64,26 @@ class _Remote:
         return lambda *a, **k: call_retrying(method, *a, **k)
 
 
+class IOActor(KVSwapIO):
+    """The KV swap/IO worker actor: the plain worker plus its metrics (bytes and seconds each way)."""
+
+    def __init__(self, root: str, fingerprint: str, config, data_dir: str, **kw) -> None:
+        from actors.metrics import Metrics
+
+        super().__init__(root, fingerprint, config, **kw)
+        m = Metrics()
+        m.start("io", data_dir)
+        for direction in ("in", "out"):
+            m.swap.labels(direction)
+            m.swap_seconds.labels(direction)
+
+        def observe(direction: str, nbytes: int, seconds: float) -> None:
+            m.swap.labels(direction).inc(nbytes)
+            m.swap_seconds.labels(direction).inc(seconds)
+
+        self.observe = observe
+
+
 class GovernorActor:
     def __init__(self, cfg: dict, io_handle, fingerprint: str) -> None:
         from actors.governor import GovernorConfig, MemoryGovernor
@@ -86,9 +106,47 @@ class GovernorActor:
             pool_bytes=c.pool_bytes, chunk_tokens=c.chunk_tokens, policy=c.policy),
             profile=profile, release=lambda ref: None)
         self.registry = reg
+        from actors.metrics import Metrics
+
+        self.metrics = Metrics()
+        self.metrics.start("governor", c.data_dir)
+        self.metrics.evictions.labels(c.policy)
+        self._evictions = 0
+        self._publish()
 
     def call(self, method: str, *args, **kwargs):
-        return getattr(self.gov, method)(*args, **kwargs)
+        try:
+            return getattr(self.gov, method)(*args, **kwargs)
+        finally:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Gauges from the governor's books after every change (cheap: one pass over the chunk rows)."""
+        from actors.metrics import BITS
+
+        m, g, policy = self.metrics, self.gov, self.gov.cfg.policy
+        counts: dict[tuple[str, str], int] = {}
+        disk = 0
+        for book in g.books.values():
+            for ch in book.chunks.values():
+                state = "resident" if ch.handle is not None else ("swapped" if ch.file else "missing")
+                key = (state, BITS.get(ch.level, ch.level))
+                counts[key] = counts.get(key, 0) + 1
+                disk += ch.file_nbytes if ch.file else 0
+        m.chunks.clear()
+        for (state, bits), n in counts.items():
+            m.chunks.labels(state, bits).set(n)
+        m.pool.labels("resident").set(g.pool_used)
+        m.pool.labels("budget").set(g.cfg.pool_bytes)
+        m.pool.labels("disk").set(disk)
+        m.active.labels(policy).set(len(g.books))
+        ev = g.stats["evictions"]
+        if ev > self._evictions:
+            m.evictions.labels(policy).inc(ev - self._evictions)
+        self._evictions = ev
+        err = g.restore_error()
+        if err is not None:
+            m.restore_error.labels(policy).set(err)
 
     def registry_call(self, method: str, *args, **kwargs):
         return getattr(self.registry, method)(*args, **kwargs)
@@ -161,14 +219,42 @@ class ExecutorActor:
                                 RayRestorer(recompute_handle, model.cfg.n_layers, group_layers, shm_name, engine.limit),
                                 working_set=ws, put=ray.put, background=True)  # write-back after the reply
         model.warmup()
+        from actors.metrics import Metrics, init_executor_series
+
+        self.policy = c.policy
+        self.metrics = Metrics()
+        self.metrics.start("executor", c.data_dir)
+        init_executor_series(self.metrics, self.policy)
+
+    def _observe(self, out: dict) -> None:
+        from actors.metrics import switch_outcome
+
+        m, p, r = self.metrics, self.policy, out["restore"]
+        outcome = switch_outcome(out["hit"], r)
+        m.switch.labels(p, outcome).observe(out["switch_ms"] / 1000)
+        m.calls.labels(p, outcome).inc()
+        m.ttft.labels(p).observe(out["ttft_s"])
+        m.tokens.labels(p).inc(out["completion_tokens"])
+        m.decode_seconds.labels(p).inc(max(0.0, out["total_s"] - out["ttft_s"]))
+        if r["recomputed"]:
+            m.recompute.labels(p, "fault").inc(r["faults"])
+            m.recompute.labels(p, "planned").inc(r["recomputed"] - r["faults"])
+        missing = r["loaded"] + r["recomputed"]
+        if missing:
+            m.io_fraction.labels(p).set(r["loaded"] / missing)
 
     def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None) -> str:
         return self.ex.new_ctx(app, system_prompt, history)
 
     def call(self, app: str | None, ctx: str, prompt: str, params: dict):
         """Streaming generator: text deltas (str), then the outcome as a dict."""
-        out = yield from self.ex.call(app, ctx, prompt, **params)
-        yield asdict(out)
+        try:
+            out = asdict((yield from self.ex.call(app, ctx, prompt, **params)))
+        except BaseException:
+            self.metrics.calls.labels(self.policy, "error").inc()
+            raise
+        self._observe(out)
+        yield out
 
     def profile(self, read_bytes_per_s: float) -> str:
         """Measure (or read the cached) pipeline cost profile with this process's model and threads."""
@@ -200,8 +286,9 @@ class RayService:
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
         cfgd = asdict(config)
         common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
-        self.io = ray.remote(KVSwapIO).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
-            str(Path(config.data_dir) / "chunks"), resolved.fingerprint, _store_cfg(config), resolve=_ray_get)
+        self.io = ray.remote(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
+            str(Path(config.data_dir) / "chunks"), resolved.fingerprint, _store_cfg(config), config.data_dir,
+            resolve=_ray_get)
         self.gov = ray.remote(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
             cfgd, self.io, resolved.fingerprint)
         from engine.config import EngineConfig

@@ -55,19 +55,24 @@ class KVSwapIO:
         self.resolve = resolve
         self.bytes_written = 0
         self.bytes_read = 0
+        self.observe: Callable[[str, int, float], None] = lambda direction, nbytes, seconds: None
+        """Called after each write (`out`) and read (`in`) with the bytes and seconds (metrics)."""
 
     def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
         """Write chunks (index, handle, first token) crash-safely; returns name/nbytes/checksum each."""
         out = []
+        t0 = time.monotonic()
         for i, handle, token_start in todo:
             meta = self.store.write(ctx, i, self.resolve(handle), token_start)
             self.bytes_written += meta.nbytes
             out.append({"name": meta.name, "nbytes": meta.nbytes, "checksum": meta.checksum})
+        self.observe("out", sum(o["nbytes"] for o in out), time.monotonic() - t0)
         return out
 
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, EncodedChunk], dict[int, str]]:
         """Read whole chunks; returns (chunks read, {index: error code} for unreadable files)."""
         got, failed = {}, {}
+        t0 = time.monotonic()
         self.store.prefetch(ctx, indices)
         for i in indices:
             try:
@@ -77,6 +82,7 @@ class KVSwapIO:
                 continue
             got[i] = enc
             self.bytes_read += enc.nbytes
+        self.observe("in", sum(e.nbytes for e in got.values()), time.monotonic() - t0)
         return got, failed
 
     def read_groups(self, ctx: str, indices: list[int], groups: list[range]) -> Iterator[LayerGroup]:
@@ -95,6 +101,7 @@ class KVSwapIO:
                     failed[i] = e.code
             nbytes = sum(c.nbytes for c in chunks.values())
             self.bytes_read += nbytes
+            self.observe("in", nbytes, time.monotonic() - t0)
             yield LayerGroup(g, layers, chunks, dict(failed), t0, time.monotonic(), nbytes)
 
     def delete(self, ctx: str, index: int) -> None:

@@ -28,6 +28,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.service import ServiceConfig
+import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
 from deploy.api_models import (
     APIError, BindBody, CallBody, ChatCompletionBody, NewContextBody, check_app_name, check_context_id,
@@ -95,25 +96,25 @@ class _BodyLimit:
         for k, v in scope.get("headers", []):
             if k == b"content-length" and (not v.isdigit() or int(v) > self.limit):
                 return await _send_error(send, APIError("body_too_large", f"request body over {self.limit} bytes"))
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        if any(k == b"content-length" for k, _ in scope.get("headers", [])):
+            return await self.app(scope, receive, send)
+        # no length given (chunked): read the body here, up to the limit, then hand it on
+        msgs, seen = [], 0
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge()
-            return msg
+            msgs.append(msg)
+            if msg["type"] != "http.request":
+                break
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                return await _send_error(send, APIError("body_too_large", f"request body over {self.limit} bytes"))
+            if not msg.get("more_body"):
+                break
 
-        try:
-            return await self.app(scope, limited, send)
-        except _TooLarge:
-            return await _send_error(send, APIError("body_too_large", f"request body over {self.limit} bytes"))
+        async def replay():
+            return msgs.pop(0) if msgs else await receive()
 
-
-class _TooLarge(Exception):
-    pass
+        return await self.app(scope, replay, send)
 
 
 async def _send_error(send, err: APIError) -> None:
@@ -136,16 +137,13 @@ api = FastAPI(
 )
 
 
-_BODY_LIMIT = [1 << 20]  # this replica's limit (set from ServerConfig at start)
-
-
 class _ConfiguredBodyLimit(_BodyLimit):
     def __init__(self, app) -> None:
         super().__init__(app, 0)
 
     @property
     def limit(self) -> int:  # type: ignore[override]
-        return _BODY_LIMIT[0]
+        return settings.RUNTIME["max_body_bytes"]
 
     @limit.setter
     def limit(self, _v) -> None:
@@ -153,6 +151,32 @@ class _ConfiguredBodyLimit(_BodyLimit):
 
 
 api.add_middleware(_ConfiguredBodyLimit)
+
+class _CountRequests:
+    """ASGI middleware (outermost): `llmaas_requests_total{route, code}`, route as its template."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        metrics = settings.RUNTIME["metrics"]
+        if scope["type"] != "http" or metrics is None:
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            route = scope.get("route")
+            metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
+
+
+api.add_middleware(_CountRequests)
 
 
 @api.exception_handler(APIError)
@@ -271,7 +295,13 @@ class Ingress:
         self.cfg = ServiceConfig(**(service or {}))
         self.server = ServerConfig(**(server or {}))
         self.admin = admin_token(self.cfg.data_dir, self.server.admin_token_file)
-        _BODY_LIMIT[0] = self.server.max_body_bytes
+        settings.RUNTIME["max_body_bytes"] = self.server.max_body_bytes
+        if settings.RUNTIME["metrics"] is None:
+            from actors.metrics import Metrics
+
+            m = Metrics()
+            m.start("ingress", self.cfg.data_dir)
+            settings.RUNTIME["metrics"] = m
         self.limiter = _Limiter(self.server.max_ongoing_calls, self.server.max_queued_calls)
         # actors of this replica (a new replica makes new ones; the registry and files carry the state)
         self.svc = RayService(self.cfg, model_path=self.server.model or None,

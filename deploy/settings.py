@@ -47,3 +47,9 @@ def private_secret(path: Path, make=lambda: secrets.token_urlsafe(32)) -> str:
 def admin_token(data_dir: str, path: str = "") -> str:
     """`LLMAAS_ADMIN_TOKEN`, else the token stored at first start in the data directory (0600)."""
     return os.environ.get("LLMAAS_ADMIN_TOKEN") or private_secret(Path(path or Path(data_dir) / "admin_token"))
+
+
+RUNTIME: dict = {"max_body_bytes": ServerConfig().max_body_bytes, "metrics": None}
+"""This process's live settings for the HTTP middleware (body limit, metrics), set by the ingress at
+start. Read it as `deploy.settings.RUNTIME` (module attribute access): Serve ships the ingress class by
+value, and a module-level object of the ingress module would arrive as a copy."""

@@ -1,0 +1,123 @@
+"""Prometheus metrics (DESIGN.md §7), exported with prometheus-client by the actors that know them.
+
+Each process that exports (the HTTP ingress, the model executor, the memory governor, the KV swap/IO
+worker) serves its own registry on a loopback port chosen by the kernel and lists it in a Prometheus
+file_sd targets file, `<data_dir>/metrics/<role>-<pid>.json`. `dashboards/prometheus.yml` reads
+`<data_dir>/metrics/*.json`; targets of processes that died are removed by the next exporter to start.
+(Ray's own `ray.util.metrics` would rename the series to `ray_*`, hence prometheus-client.)
+
+No Ray here: the actors call `Metrics.start(role, data_dir)` and update the series.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+SWITCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """The service's series in one registry of this process (only the ones a role updates get data)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "llmaas_"
+        self.switch = Histogram(p + "context_switch_seconds", "Context switching latency (DESIGN.md §1): from "
+                                "the call's arrival until every K/V can be attended", ["policy", "outcome"],
+                                buckets=SWITCH_BUCKETS, registry=r)
+        self.ttft = Histogram(p + "ttft_seconds", "Time to first token, from the call's arrival at the executor",
+                              ["policy"], buckets=TTFT_BUCKETS, registry=r)
+        self.tokens = Counter(p + "tokens_generated_total", "Tokens generated", ["policy"], registry=r)
+        self.decode_seconds = Counter(p + "decode_seconds_total", "Seconds spent after the first token "
+                                      "(tokens/s = rate(tokens) / rate(decode seconds))", ["policy"], registry=r)
+        self.calls = Counter(p + "calls_total", "Model calls by outcome", ["policy", "outcome"], registry=r)
+        self.recompute = Counter(p + "recompute_chunks_total", "Chunks recomputed from token ids",
+                                 ["policy", "reason"], registry=r)
+        self.io_fraction = Gauge(p + "pipeline_io_fraction", "Of the last restore's missing chunks, the "
+                                 "fraction loaded from disk (the rest recomputed)", ["policy"], registry=r)
+        self.restore_error = Gauge(p + "restore_prediction_log_error", "Median |ln(measured / predicted)| "
+                                   "restore time over recent restores", ["policy"], registry=r)
+        self.active = Gauge(p + "active_contexts", "Contexts known to the memory governor", ["policy"], registry=r)
+        self.pool = Gauge(p + "kv_pool_bytes", "KV pool: resident bytes as stored, the budget, and bytes on disk",
+                          ["state"], registry=r)
+        self.chunks = Gauge(p + "kv_chunks", "KV chunks by state and bit level", ["state", "bits"], registry=r)
+        self.evictions = Counter(p + "evictions_total", "Chunks evicted from the KV pool", ["policy"], registry=r)
+        self.swap = Counter(p + "swap_bytes_total", "Chunk file bytes read (in) and written (out)",
+                            ["direction"], registry=r)
+        self.swap_seconds = Counter(p + "swap_seconds_total", "Seconds spent reading (in) and writing (out) "
+                                    "chunk files", ["direction"], registry=r)
+        self.requests = Counter(p + "requests_total", "HTTP requests by route and status code", ["route", "code"],
+                                registry=r)
+        self.port = 0
+
+    def start(self, role: str, data_dir: str) -> int:
+        """Serve this registry on a loopback port and list it as a scrape target; returns the port."""
+        server, _thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.port = server.server_port
+        register_target(data_dir, role, self.port)
+        return self.port
+
+
+OUTCOMES = ("hit", "resident", "swap", "recompute", "error")
+
+
+def init_executor_series(m: Metrics, policy: str) -> None:
+    """Create the executor's labelled series at zero, so that rates exist before the first event."""
+    for o in OUTCOMES:
+        m.calls.labels(policy, o)
+        if o != "error":
+            m.switch.labels(policy, o)
+    m.ttft.labels(policy)
+    m.tokens.labels(policy)
+    m.decode_seconds.labels(policy)
+    for reason in ("planned", "fault"):
+        m.recompute.labels(policy, reason)
+
+
+BITS = {"raw": "32", "fp16": "16", "bf16": "16", "q8": "8", "q4": "4", "q2": "2"}
+
+
+def targets_dir(data_dir: str) -> Path:
+    return Path(data_dir) / "metrics"
+
+
+def register_target(data_dir: str, role: str, port: int) -> Path:
+    """Write this process's file_sd entry (atomically) and drop entries of processes that are gone."""
+    d = targets_dir(data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    for old in d.glob("*.json"):
+        pid = old.stem.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            old.unlink(missing_ok=True)
+    path = d / f"{role}-{os.getpid()}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([{"targets": [f"127.0.0.1:{port}"], "labels": {"role": role}}]))
+    os.replace(tmp, path)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def switch_outcome(cached: bool, restore: dict) -> str:
+    """`hit` (the working set still held the context), `resident` (decoded from the pool only),
+    `swap` (some chunks read from disk), `recompute` (some recomputed)."""
+    if cached:
+        return "hit"
+    if restore.get("recomputed"):
+        return "recompute"
+    if restore.get("loaded"):
+        return "swap"
+    return "resident"
