@@ -520,7 +520,8 @@ def build(args: dict | None = None):
             server[k] = _coerce(v, getattr(ServerConfig(), k))
         else:
             raise ValueError(f"unknown option {k!r}; valid: {sorted(svc_keys) + sorted(srv_keys)}")
-    service.setdefault("data_dir", os.path.abspath(os.environ.get("LLMAAS_DATA_DIR", "./data")))
+    service.setdefault("data_dir", os.environ.get("LLMAAS_DATA_DIR", "./data"))
+    service["data_dir"] = os.path.abspath(os.path.expanduser(service["data_dir"]))
     bound = Ingress.options(max_ongoing_requests=64).bind(service, server)
     return bound
 
