@@ -158,9 +158,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    _check_sampling(args)
     if args.url:
-        return cmd_chat_remote(args)
+        return cmd_chat_remote(args)  # the server checks the sampling arguments
+    _check_sampling(args)
     engine = _engine(args)
     ctx = engine.new_ctx(args.system)
     interactive = sys.stdin.isatty()
@@ -293,24 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from engine.loader import ModelNotFoundError
-    from engine.sampling import BadRequestError
-    from scheduler.errors import UnknownNameError
+    from deploy.client import ServiceError  # (no torch: `contexts` and `chat --url` start fast)
 
     try:
         return args.func(args)
-    except (BadRequestError, ModelNotFoundError, UnknownNameError, ValueError, OSError) as e:
-        print(f"llmaas: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - a server's error: code and message, no traceback
-        from deploy.client import ServiceError
-
-        if isinstance(e, ServiceError):
-            print(f"llmaas: error: {e.code}: {e.message}", file=sys.stderr)
-            return 1
-        raise
     except KeyboardInterrupt:
         return 130
+    except ServiceError as e:  # a server's error: its code and message, no traceback
+        print(f"llmaas: error: {e.code}: {e.message}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:  # bad arguments, unknown names, missing model files
+        print(f"llmaas: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""`llmaas chat --url` and `llmaas contexts` against the session's server, as a user runs them (a
+subprocess that imports no torch), with their errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deploy.client import Client
+
+
+def llmaas(*args, stdin: str = "", token: str | None = None, timeout: float = 120):
+    env = dict(os.environ)
+    env.pop("LLMAAS_TOKEN", None)
+    if token:
+        env["LLMAAS_TOKEN"] = token
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def app(server):
+    return Client(server.url, Client(server.url, server.admin).bind("cli-tests"))
+
+
+def test_contexts_list_show_delete(server, app):
+    ctx = app.new_ctx("You are terse.")
+    app.call(ctx, "Name a colour.", max_tokens=4)
+    r = llmaas("contexts", "list", "--url", server.url, token=app.token)
+    assert r.returncode == 0 and ctx in r.stdout, r.stderr
+    r = llmaas("contexts", "show", ctx, "--url", server.url, "--token", app.token)
+    assert r.returncode == 0 and "[user] Name a colour." in r.stdout and "[assistant]" in r.stdout
+    r = llmaas("contexts", "delete", ctx, "--url", server.url, token=app.token)
+    assert r.returncode == 0
+    r = llmaas("contexts", "show", ctx, "--url", server.url, token=app.token)
+    assert r.returncode == 1 and "not_found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_url_continues_a_context(server, app):
+    ctx = app.new_ctx()
+    r = llmaas("chat", "--url", server.url, "--context", ctx, "--max-tokens", "6", stdin="Say hello.\n/exit\nignored\n",
+               token=app.token)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    turns = app.context(ctx)["turns"]
+    assert [t["role"] for t in turns] == ["user", "assistant"] and turns[1]["text"].strip() == r.stdout.strip()
+
+
+def test_clear_errors(server, app):
+    r = llmaas("contexts", "list", "--url", server.url, token="wrong")
+    assert r.returncode == 1 and "unauthorized" in r.stderr and "Traceback" not in r.stderr
+    r = llmaas("contexts", "list", "--url", server.url)
+    assert r.returncode != 0 and "token" in r.stderr
+    r = llmaas("contexts", "list", "--url", "http://127.0.0.1:9", token=app.token)
+    assert r.returncode == 1 and "cannot reach" in r.stderr
+    r = llmaas("contexts", "show", "--url", server.url, token=app.token)
+    assert r.returncode != 0 and "needs a context id" in r.stderr
+    r = llmaas("chat", "--url", server.url, "--temperature", "-1", stdin="hi\n", token=app.token)
+    assert "invalid_request" in r.stderr and "Traceback" not in r.stderr
