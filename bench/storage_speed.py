@@ -1,6 +1,7 @@
 """Storage speed: KV codec encode/decode per level, and chunk-file bandwidth against the raw disk.
 
-    python -m bench.storage_speed [--tokens 2048] [--reps 5] [--threads 2] [--dir PATH] [--synthetic]
+    python -m bench.storage_speed [--tokens 2048] [--reps 5] [--threads 2] [--stat median|best]
+                                  [--dir PATH] [--synthetic]
 
 For a context of ``--tokens`` tokens (16-token chunks of the default model's shape [30, 2, 3, 16, 64]):
 
@@ -16,7 +17,9 @@ For a context of ``--tokens`` tokens (16-token chunks of the default model's sha
 
 K/V data: real K/V of the default model when ``engine`` and the model are available (a forward
 over English text from the standard library's docstrings), else synthetic data with a printed note.
-Timings are the best of ``--reps`` passes. This is a benchmark entry point: it knows nothing the
+Timings are the median (or best) of ``--reps`` passes. torch is imported when installed and limited
+to one thread, as in the service's model processes: the codecs cast float32 <-> float16 in torch
+when a process has it (numpy otherwise). This is a benchmark entry point: it knows nothing the
 storage package does not export.
 """
 
@@ -97,14 +100,17 @@ def synthetic_kv(n_tokens: int) -> np.ndarray:
     return kv.astype(np.float32)
 
 
-def best(fn, reps: int) -> float:
-    """Best wall time of ``reps`` runs of fn(), in seconds."""
+STAT = {"median": lambda ts: float(np.median(ts)), "best": min}  # how repeated timings are summarised
+
+
+def timed(fn, reps: int, stat=STAT["median"]) -> float:
+    """Median (or ``stat``) wall time of ``reps`` runs of fn(), in seconds."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return stat(times)
 
 
 def drop_cache(path: str) -> None:
@@ -132,7 +138,7 @@ def disk_name(path: str) -> str:
     return f"{found[0]} ({found[2]} on {found[1]})"
 
 
-def raw_disk(directory: str, nbytes: int, reps: int) -> tuple[float, float]:
+def raw_disk(directory: str, nbytes: int, reps: int, stat) -> tuple[float, float]:
     """(sequential write B/s incl. fsync, cold sequential read B/s) of one nbytes file."""
     path = os.path.join(directory, "raw.bin")
     block = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
@@ -158,8 +164,8 @@ def raw_disk(directory: str, nbytes: int, reps: int) -> tuple[float, float]:
         return time.perf_counter() - t0
 
     size = nbytes // len(block) * len(block)
-    w = best(write, reps)
-    r = min(cold_read() for _ in range(reps))
+    w = timed(write, reps, stat)
+    r = stat([cold_read() for _ in range(reps)])
     os.unlink(path)
     return size / w, size / r
 
@@ -167,7 +173,9 @@ def raw_disk(directory: str, nbytes: int, reps: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.storage_speed", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048, help="context length in tokens (default 2048)")
-    p.add_argument("--reps", type=int, default=5, help="passes per measurement; best is kept")
+    p.add_argument("--reps", type=int, default=5, help="passes per measurement")
+    p.add_argument("--stat", choices=sorted(STAT), default="median",
+                   help="summary of the passes (default median: robust on a shared machine)")
     p.add_argument("--threads", type=int, default=2, help="threads for the parallel codec rows")
     p.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp folder "
                    "under the current directory)")
@@ -175,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.tokens % 16:
         p.error("--tokens must be a multiple of 16")
+    stat = STAT[args.stat]
 
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"machine: {os.cpu_count()} cores, {platform.machine()}, {platform.platform()}")
@@ -182,6 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     kv = None if args.synthetic else real_kv(args.tokens)
     if kv is None:
         kv = synthetic_kv(args.tokens)
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # as the service's model processes; "1 thread" means one
+        print("float32 <-> float16 casts: torch (1 intra-op thread)")
+    except ImportError:
+        print("float32 <-> float16 casts: numpy (torch not installed)")
     chunks = [np.ascontiguousarray(kv[:, :, :, s:s + 16]) for s in range(0, args.tokens, 16)]
     n = len(chunks)
     raw_nbytes = kv.nbytes
@@ -190,17 +206,17 @@ def main(argv: list[str] | None = None) -> None:
     buf = np.empty_like(kv)  # the context buffer a restore decodes into
     outs = [buf[:, :, :, 16 * i:16 * (i + 1)] for i in range(n)]
     pool = ThreadPoolExecutor(args.threads)
-    print(f"codecs ({n} chunks; ms for the whole context; best of {args.reps})")
+    print(f"codecs ({n} chunks; ms for the whole context; {args.stat} of {args.reps})")
     print(f"{'level':6s} {'enc 1t':>8s} {'enc %dt' % args.threads:>8s} {'dec 1t':>8s} "
           f"{'dec %dt' % args.threads:>8s} {'stored MB':>10s} {'bits/val':>9s} {'rel RMS err':>12s}")
     encoded = {}
     for level in LEVELS:
-        e1 = best(lambda: C.encode_many(chunks, level), args.reps)
-        e2 = best(lambda: C.encode_many(chunks, level, executor=pool), args.reps)
+        e1 = timed(lambda: C.encode_many(chunks, level), args.reps, stat)
+        e2 = timed(lambda: C.encode_many(chunks, level, executor=pool), args.reps, stat)
         encs = C.encode_many(chunks, level)
         encoded[level] = encs
-        d1 = best(lambda: C.decode_many(encs, outs), args.reps)
-        d2 = best(lambda: C.decode_many(encs, outs, executor=pool), args.reps)
+        d1 = timed(lambda: C.decode_many(encs, outs), args.reps, stat)
+        d2 = timed(lambda: C.decode_many(encs, outs, executor=pool), args.reps, stat)
         stored = sum(e.nbytes for e in encs)
         err = float(np.sqrt(((buf - kv) ** 2).sum() / (kv**2).sum()))
         print(f"{level:6s} {e1 * 1e3:8.1f} {e2 * 1e3:8.1f} {d1 * 1e3:8.1f} {d2 * 1e3:8.1f} "
@@ -209,11 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     root = tempfile.mkdtemp(prefix="storage-bench-", dir=args.dir or os.getcwd())
     try:
         print(f"\ndisk: {disk_name(root)}")
-        seq_w, seq_r = raw_disk(root, raw_nbytes, args.reps)
+        seq_w, seq_r = raw_disk(root, raw_nbytes, args.reps, stat)
         print(f"raw sequential: write+fsync {seq_w / 1e6:.0f} MB/s, cold read {seq_r / 1e6:.0f} MB/s "
               f"({raw_nbytes / 1e6:.0f} MB file, 4 MiB reads)\n")
         print(f"chunk files ({n} files, fsync per file and folder; cold reads of the whole context "
-              f"with ChunkStore.read_iter (prefetch, then read each); best of {args.reps})")
+              f"with ChunkStore.read_iter (prefetch ahead, read each); {args.stat} of {args.reps})")
         print(f"{'level':6s} {'MB disk':>8s} {'write ms':>9s} {'write MB/s':>11s} {'files ms':>9s} "
               f"{'of raw':>7s} {'read ms':>8s} "
               f"{'MB/s':>6s} {'of raw':>7s} {'read %dt' % args.threads:>8s} {'MB/s':>6s} {'of raw':>7s} "
@@ -226,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                 for i, e in enumerate(encs):
                     store.write(KEY, i, e, 16 * i)
 
-            wt = best(write, args.reps)
+            wt = timed(write, args.reps, stat)
             disk = store.usage_bytes()
             paths = [store.path(KEY, i) for i in range(n)]
 
@@ -243,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                     with open(q, "rb", buffering=0) as f:
                         f.read()
 
-            r0 = min(cold(plain) for _ in range(args.reps))
+            r0 = stat([cold(plain) for _ in range(args.reps)])
             def read(executor=None):
                 for _ in store.read_iter(KEY, range(n), executor=executor):
                     pass
@@ -252,9 +268,9 @@ def main(argv: list[str] | None = None) -> None:
                 for i, enc in enumerate(store.read_iter(KEY, range(n))):
                     C.decode(enc, outs[i])
 
-            r1 = min(cold(read) for _ in range(args.reps))
-            r2 = min(cold(lambda: read(pool)) for _ in range(args.reps))
-            rd = min(cold(restore) for _ in range(args.reps))
+            r1 = stat([cold(read) for _ in range(args.reps)])
+            r2 = stat([cold(lambda: read(pool)) for _ in range(args.reps)])
+            rd = stat([cold(restore) for _ in range(args.reps)])
             print(f"{level:6s} {disk / 1e6:8.2f} {wt * 1e3:9.1f} {disk / wt / 1e6:11.0f} "
                   f"{r0 * 1e3:9.1f} {disk / r0 / seq_r:7.0%} {r1 * 1e3:8.1f} {disk / r1 / 1e6:6.0f} {disk / r1 / seq_r:7.0%} "
                   f"{r2 * 1e3:8.1f} {disk / r2 / 1e6:6.0f} {disk / r2 / seq_r:7.0%} {rd * 1e3:12.1f}")

@@ -2,11 +2,12 @@
 
 - :mod:`storage.codecs`: per-level encode/decode of a chunk's KV (raw, fp16, bf16, q8, q4, q2)
 - :mod:`storage.chunkfile`: ``ChunkStore``, crash-safe checksummed chunk files under one root
-- :mod:`storage.chunkformat`: the chunk file format (prefix, msgpack header, lz4 frames)
+- :mod:`storage.chunkformat`: the chunk file format (prefix, msgpack header, per-layer records)
 - :mod:`storage.registry`: ``Registry``, apps, contexts (token ids) and chunk states in SQLite
 - :mod:`storage.errors`: the storage exceptions, each with a stable ``code``
 - :mod:`storage.fileops`, :mod:`storage.throttle`: injectable file operations, a token bucket
 
 Imports numpy, msgpack, lz4 and the standard library only (never torch or ray), so a process that
-only stores and loads KV starts fast. This package does not re-export anything: import the module.
+only stores and loads KV starts fast; the codecs use torch for float16 casts only when the process
+has already imported it. This package does not re-export anything: import the module.
 """

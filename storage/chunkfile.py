@@ -5,13 +5,14 @@ Layout: ``<root>/<context key>/<chunk index:08d>.kvc`` (format in :mod:`storage.
 One file per chunk, not per group of chunks. Why: a chunk's level changes on its own (the compression
 planner re-quantizes single chunks, and the last partial chunk is rewritten as it fills), so a
 rewrite is one atomic rename and never a read-modify-write of its neighbours; deleting a context is
-deleting a folder. And grouping would not buy read speed, measured by ``bench/storage_speed.py``
+deleting a folder. Grouping would buy little read speed, measured by ``bench/storage_speed.py``
 (docs/benchmarks.md): plain reads of the 128 files of a 2048-token context after a prefetch run at
-60-110% of the disk's raw sequential bandwidth for one big file, while the checked read is bound by
-CPU (lz4's xxh32 content checksum, ~3 GB/s here, and ~2.5 us of call overhead per layer frame, 3840
-frames per context) at 30-55%. Reads of a whole context go through :meth:`ChunkStore.read_iter`,
-which prefetches every file (posix_fadvise WILLNEED) so the disk works on all of them while the CPU
-checks and decompresses; a full-chunk read is one read call.
+75-110% of the disk's raw sequential bandwidth for one big file, so the files are not the limit;
+the checked read is bound by CPU: a crc32 pass (~5 GB/s) plus ~30 us per file (open, read, msgpack
+header and its checks), which grouping would cut only for the smallest levels (q2, q4). Reads of a
+whole context go through :meth:`ChunkStore.read_iter`, which opens and advises (posix_fadvise
+WILLNEED) a window of files ahead of the reads so the disk works on many files while the CPU checks
+them; a full-chunk read is one read call into a fresh buffer that the records then live in.
 
 Writes are crash-safe: the file is written under a temporary name in the same folder, fsynced,
 renamed over the final name, and the folder is fsynced; a reader sees the old file or the new one,
@@ -41,6 +42,7 @@ import secrets
 import stat
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -59,6 +61,7 @@ _SUFFIX = ".kvc"
 _NAME_RE = re.compile(r"^(\d{8})\.kvc$")
 _TMP_RE = re.compile(r"^\.(\d{8})\.[0-9a-f]{8}\.tmp$")
 _MAX_INDEX = 10**8 - 1
+_READ_WINDOW = 64  # chunk files read_iter opens and advises ahead of its reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,8 @@ class ChunkStoreConfig:
     max_header_bytes: int = 64 * 1024  # largest chunk header accepted on read (bytes)
     max_record_bytes: int = 64 * 1024 * 1024  # largest decompressed layer record accepted (bytes)
     max_file_bytes: int = 256 * 1024 * 1024  # larger chunk files are refused unread (bytes)
-    lz4_level: int = 0  # lz4 frame compression level (0 fastest .. 16 smallest)
+    lz4_level: int = 0  # lz4 level tried per layer record (0-2 fast, 3-16 high compression, -1 off);
+    # a layer is kept compressed only when that saves an eighth of it (<1% of layers of real K/V)
     fsync: bool = True  # fsync file and folder on every write (False only for page-cache benchmarks)
 
 
@@ -193,20 +197,12 @@ class ChunkStore:
         index = _check_index(index)
         if enc.first_layer != 0:
             raise ValueError("write needs every layer of the chunk (first_layer == 0)")
-        frames, sums = [], []
-        for i in range(enc.shape[0]):
-            frame, checksum = fmt.compress_record(enc.layer(i), self.config.lz4_level)
-            frames.append(frame)
-            sums.append(checksum)
-        offsets, pos = [], 0
-        for f in frames:
-            offsets.append(pos)
-            pos += len(f)
+        parts, lens, sums, psum = fmt.store_records(enc, self.config.lz4_level)
+        pos = sum(lens)
         header = fmt.ChunkHeader(
             self.fingerprint, check_context_key(key), index, int(token_start),
             int(token_start) + enc.shape[3], enc.level, enc.version, enc.dtype, enc.params,
-            tuple(enc.shape), enc.record_nbytes, tuple(offsets), tuple(len(f) for f in frames),
-            tuple(sums))
+            tuple(enc.shape), enc.record_nbytes, tuple(lens), tuple(sums), psum)
         head, crc = fmt.pack(header)
         nbytes = len(head) + pos
         d = self._context_dir(key, create=True)
@@ -225,7 +221,7 @@ class ChunkStore:
         try:
             fd = self.fs.open(tmp, CREATE_FLAGS, 0o600)
             try:
-                self.fs.write(fd, [head, *frames])
+                self.fs.write(fd, [head, *parts])
                 if self.config.fsync:
                     self.fs.fsync(fd)
             finally:
@@ -275,27 +271,39 @@ class ChunkStore:
             self._bucket.acquire(n)
         return self.fs.pread(fd, n, offset)
 
+    def _pread_array(self, fd: int, n: int, offset: int) -> np.ndarray:
+        """``n`` bytes at ``offset`` read into a fresh writable uint8 array (shorter at EOF)."""
+        if self._bucket is not None:
+            self._bucket.acquire(n)
+        buf = np.empty(n, np.uint8)
+        return buf[:self.fs.pread_into(fd, buf, offset)]
+
     def _header(self, fd: int, key: str, index: int, whole: bool
-                ) -> tuple[fmt.ChunkHeader, int, int, str, bytes]:
+                ) -> tuple[fmt.ChunkHeader, int, int, str, np.ndarray | bytes]:
         """(header, payload offset, file size, checksum hex, bytes read) of an open chunk file.
 
-        With ``whole`` the entire file is read in one call (one I/O for a full-chunk read);
-        otherwise the prefix and a typical header are read speculatively.
+        With ``whole`` the entire file is read in one call into a writable array (one I/O for a
+        full-chunk read, and the records are used in place); otherwise the prefix and a typical
+        header are read speculatively.
         """
         size = self.fs.fstat(fd).st_size
         if size > self.config.max_file_bytes:
             raise CorruptChunkError(f"chunk file of {size} B exceeds the {self.config.max_file_bytes}"
                                     " B cap")
-        want = size if whole else min(size, fmt.PREFIX_NBYTES + 4096)
-        head = self._pread(fd, want, 0)
-        hlen, crc = fmt.parse_prefix(head, size, self.config.max_header_bytes)
+        if whole:
+            head = self._pread_array(fd, size, 0)
+        else:
+            head = self._pread(fd, min(size, fmt.PREFIX_NBYTES + 4096), 0)
+        m = memoryview(head)  # slicing a memoryview is cheaper than slicing the numpy array
+        hlen, crc = fmt.parse_prefix(m, size, self.config.max_header_bytes)
         end = fmt.PREFIX_NBYTES + hlen
-        body = head[fmt.PREFIX_NBYTES:end]
-        if len(body) < hlen:
-            body += self._pread(fd, end - len(head), len(head))
-        if len(body) != hlen:
+        base = fmt.payload_start(hlen)
+        if len(m) < base:
+            m = memoryview(bytes(m) + self._pread(fd, base - len(m), len(m)))
+        if len(m) < base:
             raise CorruptChunkError("file ends inside its header (truncated)")
-        h = fmt.parse_header(body, crc, self.config.max_record_bytes)
+        h = fmt.parse_header(m[fmt.PREFIX_NBYTES:end], crc, self.config.max_record_bytes)
+        fmt.check_padding(m[end:base])
         if h.fingerprint != self.fingerprint:
             raise FingerprintMismatchError(
                 f"chunk {index} of {key} was written for model {h.fingerprint[:64]!r}, "
@@ -303,10 +311,13 @@ class ChunkStore:
         if h.context != key or h.index != index:
             raise CorruptChunkError(f"file of chunk {index} of {key} holds chunk {h.index} of "
                                     f"{h.context}")
-        if end + h.payload_nbytes != size:
+        if h.shape[0] * h.record_nbytes > self.config.max_file_bytes:  # lz4 could expand ~255x
+            raise CorruptChunkError(f"chunk records of {h.shape[0] * h.record_nbytes} B exceed the "
+                                    f"{self.config.max_file_bytes} B file cap")
+        if base + h.payload_nbytes != size:
             raise CorruptChunkError(f"file is {size} B, header promises "
-                                    f"{end + h.payload_nbytes} B (torn or truncated)")
-        return h, end, size, f"{crc:08x}", head
+                                    f"{base + h.payload_nbytes} B (torn or truncated)")
+        return h, base, size, f"{crc:08x}", head
 
     def read_meta(self, key: str, index: int) -> ChunkMeta:
         """Parse and check the header (and the file size) without reading the payload."""
@@ -320,29 +331,35 @@ class ChunkStore:
     def read_layers(self, key: str, index: int, layers: range | None = None) -> EncodedChunk:
         """Read layers ``layers`` (a step-1 range; default all) of one chunk, checked.
 
-        A full read is one read call for the whole file; a partial read reads the header and then
-        only the frames of those layers (one contiguous read).
+        A full read is one read call for the whole file and one crc32 pass over its payload; a
+        partial read reads the header and then only the records of those layers (one contiguous
+        read), each checked against its own crc32. The payload is writable and, when no layer is
+        lz4-compressed, a view of the buffer the file was read into.
         """
         fd, _ = self._open(key, index)
         try:
-            h, base, size, _, head = self._header(fd, key, index, whole=layers is None)
-            nl = h.shape[0]
-            layers = range(nl) if layers is None else layers
-            if layers.step != 1 or not 0 <= layers.start < layers.stop <= nl:
-                raise ValueError(f"layers must be a non-empty step-1 range within [0, {nl}), "
-                                 f"got {layers}")
-            a, b = layers.start, layers.stop
-            start = h.offsets[a]
-            span = h.offsets[b - 1] + h.lengths[b - 1] - start
-            if len(head) == size:
-                blob = memoryview(head)[base + start:base + start + span]
-            else:
-                blob = memoryview(self._pread(fd, span, base + start))
+            return self._read_fd(fd, key, index, layers)
         finally:
             self.fs.close(fd)
-        if len(blob) != span:
-            raise CorruptChunkError("file ends inside its payload (truncated)")
-        payload = fmt.decompress_records(blob, h, layers, start)
+
+    def _read_fd(self, fd: int, key: str, index: int, layers: range | None) -> EncodedChunk:
+        """read_layers on an open chunk file (the caller closes it)."""
+        whole = layers is None
+        h, base, size, _, head = self._header(fd, key, index, whole=whole)
+        nl = h.shape[0]
+        layers = range(nl) if layers is None else layers
+        if layers.step != 1 or not 0 <= layers.start < layers.stop <= nl:
+            raise ValueError(f"layers must be a non-empty step-1 range within [0, {nl}), "
+                             f"got {layers}")
+        a, b = layers.start, layers.stop
+        if whole:
+            blob = head[base:]  # the whole payload: its size was checked against the header
+            if zlib.crc32(blob) != h.payload_checksum:
+                raise CorruptChunkError("payload checksum mismatch")
+        else:
+            start = sum(h.lengths[:a])
+            blob = self._pread_array(fd, sum(h.lengths[a:b]), base + start)
+        payload = fmt.records(blob, h, layers, checked=whole)
         shape = (b - a, *h.shape[1:])
         return EncodedChunk(h.level, h.codec_version, h.dtype, shape, a, h.params, payload)
 
@@ -372,18 +389,63 @@ class ChunkStore:
 
     def read_iter(self, key: str, indices: Iterable[int], *,
                   executor: Executor | None = None) -> Iterator[EncodedChunk]:
-        """Read whole chunks of one context in order: prefetch them all, then yield each.
+        """Read whole chunks of one context in order, prefetching ahead; yield each.
 
+        Files are opened and advised (posix_fadvise WILLNEED) in windows of
+        ``_READ_WINDOW`` chunks, one window ahead of the reads, and each file is read through the
+        descriptor that advised it (one open per file; at most two windows of descriptors open).
         A consumer that decodes and drops each chunk before the next keeps memory flat (and the
-        allocator reuses the same pages); with ``executor`` the reads run ahead in parallel.
+        allocator reuses the same pages); with ``executor`` the reads of a window run in
+        parallel (the read and the crc32 release the GIL). A missing file raises
+        ChunkNotFoundError at its position.
         """
         indices = list(indices)
-        self.prefetch(key, indices)
-        if executor is None:
+        windows = [indices[w:w + _READ_WINDOW] for w in range(0, len(indices), _READ_WINDOW)]
+        ahead: dict[int, int] = {}
+        current: dict[int, int] = {}
+        try:
+            ahead = self._open_advised(key, windows[0]) if windows else {}
+            for w, window in enumerate(windows):
+                current, ahead = ahead, {}
+                if w + 1 < len(windows):
+                    ahead = self._open_advised(key, windows[w + 1])
+
+                def one(i: int, fds: dict[int, int] = current) -> EncodedChunk:
+                    fd = fds.pop(i, None)
+                    if fd is None:  # missing (read raises ChunkNotFoundError) or asked twice
+                        return self.read(key, i)
+                    try:
+                        return self._read_fd(fd, key, i, None)
+                    finally:
+                        self.fs.close(fd)
+
+                if executor is None:
+                    for i in window:
+                        yield one(i)
+                else:
+                    yield from executor.map(one, window)
+        finally:
+            for fd in [*current.values(), *ahead.values()]:
+                self.fs.close(fd)
+
+    def _open_advised(self, key: str, indices: list[int]) -> dict[int, int]:
+        """Open the existing files of ``indices`` and advise the kernel to read them; {index: fd}."""
+        fds: dict[int, int] = {}
+        try:
             for i in indices:
-                yield self.read(key, i)
-        else:
-            yield from executor.map(lambda i: self.read(key, i), indices)
+                if i in fds:  # the same chunk twice in one window: the second read opens it anew
+                    continue
+                try:
+                    fd, _ = self._open(key, i)
+                except ChunkNotFoundError:
+                    continue
+                fds[i] = fd
+                self.fs.fadvise_willneed(fd)
+        except BaseException:
+            for fd in fds.values():
+                self.fs.close(fd)
+            raise
+        return fds
 
     def read_many(self, key: str, indices: Iterable[int], *,
                   executor: Executor | None = None) -> list[EncodedChunk]:

@@ -14,7 +14,7 @@ level  nominal bits  error bound (per element x, decoded x')            record b
 raw    32/16/16 [1]  bit-exact                                          N * itemsize
 fp16   16            |x-x'| <= 2^-11 |x| for |x| in [2^-14, 65504],     2 N
                      <= 2^-25 below; |x| >= 65520 becomes inf [3]
-bf16   16            |x-x'| <= 2^-8 |x| (normal floats) [3]             2 N
+bf16   16            |x-x'| <= 2^-8 |x| (normal floats) [4]             2 N
 q8     8             |x-x'| <= s/2, s the channel's scale [2]           N     + 4 C (fp16 params)
 q4     4             same, s = range/15                                 N / 2 + 4 C
 q2     2             same, s = range/3                                  N / 4 + 4 C
@@ -23,7 +23,8 @@ q2     2             same, s = range/3                                  N / 4 + 
 ``N = 2*Hkv*T*D`` values and ``C = 2*Hkv*D`` channels per layer. [1] raw keeps the compute dtype:
 32 bits for float32, 16 for float16/bfloat16. [2] plus float32 rounding: a few ulps of the
 channel's largest magnitude ``max(|min|, |max|)`` (``q*s + z`` is computed in float32). [3] rounding
-is to nearest, ties away from zero; fp16 and bf16 are bit-exact from their own compute dtype.
+is to nearest, ties to even (IEEE, as numpy's and torch's casts). [4] rounding is to nearest, ties
+away from zero. fp16 and bf16 are bit-exact from their own compute dtype.
 
 At T=16 with the default model (Hkv=3, D=64: N=6144, C=384) a layer record is 24576 B raw fp32,
 12288 B fp16/bf16, 7680 B q8, 4608 B q4, 3072 B q2: real bits per value 32, 16, 10, 6, 4 against
@@ -49,9 +50,11 @@ slower than long contiguous ones, so the quantized levels first copy a chunk tok
 ``[T, L*2*H*D]``: the min/max become reductions over the outer axis and the affine map broadcasts
 over the outer axis; decode dequantizes token-major and transposes once into the caller's view.
 Work arrays come from per-thread scratch (a fresh large array costs a page fault per 4 KiB).
-numpy's float32 -> float16 cast is scalar, so fp16 uses integer bit operations. The fp16 rounding of
-the quantization parameters costs ~95 us per chunk (float32 parameters would cost ~14 us but 20-50%
-more bytes). :func:`encode_many` / :func:`decode_many` take an executor: numpy releases the GIL.
+numpy converts between float32 and float16 one value at a time (~2.5 ns each), so when the process
+has imported torch (every process that runs the model has; this module never imports it) those
+casts run in torch's vectorised kernels: the fp16 level (~5x faster) and the fp16 scales and zero
+points of the quantized levels (~40 us less per chunk). The bytes are the same either way.
+:func:`encode_many` / :func:`decode_many` take an executor: numpy and torch release the GIL.
 
 This module deliberately knows nothing about files, lz4, headers or which level a chunk should get:
 it maps arrays to bytes and back.
@@ -59,6 +62,7 @@ it maps arrays to bytes and back.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -169,25 +173,52 @@ def _f32_to_bf16_bits(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
     return out
 
 
-def _f32_to_f16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> IEEE fp16 bits, rounding half away from zero (|err| <= 2^-11 |x| when normal).
+#: use torch for float32 <-> float16 casts when the process has imported it (tests switch it off)
+USE_TORCH = True
 
-    Why not ``astype(float16)``: numpy converts to half one element at a time (~2.5 ns each);
-    these nine whole-array integer/float ops are ~1.3x faster. Multiplying by 2^-112 moves the
-    float32 exponent bias (127) to fp16's (15), and fp16 subnormals come out right because float32
-    subnormals have the same bit alignment. Overflow saturates to inf; NaN becomes inf too.
+
+def _torch(*arrays: np.ndarray):
+    """The torch module when this process has already imported it and may wrap ``arrays``, else None.
+
+    Why: numpy converts between float32 and float16 one value at a time (~2.5 ns each; ~60 ms for a
+    2048-token context) while torch uses vectorised F16C instructions (~10x faster). Every process
+    that computes with the model has torch; storage itself never imports it (a store-only process
+    stays light and uses numpy). Both paths round to nearest even, so their bytes are identical
+    (tested). Arrays torch cannot wrap without a warning or an error (read-only, unaligned,
+    odd strides) stay on numpy.
     """
-    u = x.view(_U32)
-    sign = np.right_shift(u, _U32(16), out=_scratch.get("sign", x.shape, _U32))
-    sign &= _U32(0x8000)
-    a = np.bitwise_and(u, _U32(0x7FFFFFFF), out=_scratch.get("mag", x.shape, _U32))
-    f = a.view(_F32)
-    f *= _F32(2.0**-112)
-    a += _U32(0x1000)  # half an fp16 ulp at bit 13: round half away from zero
-    a >>= _U32(13)
-    np.minimum(a, _U32(0x7C00), out=a)
-    out = np.empty(x.shape, _U16)
-    np.bitwise_or(a, sign, out=out, casting="unsafe")
+    if not USE_TORCH:
+        return None
+    t = sys.modules.get("torch")
+    if t is None or not all(_wrappable(a) for a in arrays):
+        return None
+    return t
+
+
+def _wrappable(a: np.ndarray) -> bool:
+    """torch.from_numpy takes it: writable, aligned, non-negative whole-element strides."""
+    return (a.flags.writeable and a.flags.aligned
+            and all(st >= 0 and st % a.itemsize == 0 for st in a.strides))
+
+
+def _f32_to_f16(x: np.ndarray) -> np.ndarray:
+    """float32 -> a new C-contiguous float16 array, rounding to nearest even (inf on overflow)."""
+    t = _torch(x)
+    if t is None:
+        with np.errstate(over="ignore"):  # overflow to inf is the documented result
+            return x.astype(_F16, order="C")
+    return t.from_numpy(x).to(t.float16, memory_format=t.contiguous_format).numpy()
+
+
+def _f16_to_f32(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """float16 -> float32 (exact) into ``out`` (any strides) or a new array."""
+    if out is None:
+        out = np.empty(h.shape, _F32)
+    t = _torch(h, out)
+    if t is None:
+        np.copyto(out, h, casting="same_kind")
+    else:
+        t.from_numpy(out).copy_(t.from_numpy(h))
     return out
 
 
@@ -201,8 +232,27 @@ def _to_f32(kv: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float32":
         return kv
     if dtype == "float16":
-        return kv.astype(_F32)
+        return _f16_to_f32(kv)
     return _bf16_bits_to_f32(kv)
+
+
+def _round_f16(x: np.ndarray, dst: np.ndarray) -> None:
+    """Store float32 ``x`` as float16 into ``dst`` (rounding to nearest even), then replace ``x``
+    by the stored values (exact), so the caller computes with exactly what was stored."""
+    t = _torch(x, dst)
+    if t is None:
+        np.copyto(dst, x, casting="same_kind")
+        np.copyto(x, dst)
+    else:
+        tx = t.from_numpy(x)
+        td = t.from_numpy(dst)
+        td.copy_(tx)
+        tx.copy_(td)
+
+
+def _params_f32(p: np.ndarray) -> np.ndarray:
+    """Stored quantization parameters (float16 or float32) as a new float32 array."""
+    return _f16_to_f32(p) if p.dtype == _F16 else p.astype(_F32)
 
 
 def _store_f32(x: np.ndarray, out: np.ndarray, dtype: str) -> None:
@@ -245,7 +295,7 @@ class _Raw(_Codec):
         return COMPUTE_DTYPES[dtype].itemsize * 8
 
     def record_nbytes(self, layer_shape, dtype, params=""):
-        return int(np.prod(layer_shape)) * COMPUTE_DTYPES[dtype].itemsize
+        return math.prod(layer_shape) * COMPUTE_DTYPES[dtype].itemsize
 
     def encode(self, kv, dtype):
         return _copy_records(kv), ""
@@ -266,13 +316,13 @@ class _Half(_Codec):
         return 16
 
     def record_nbytes(self, layer_shape, dtype, params=""):
-        return int(np.prod(layer_shape)) * 2
+        return math.prod(layer_shape) * 2
 
     def encode(self, kv, dtype):
         if dtype == self.native:
             return _copy_records(kv), ""
         x = _to_f32(kv, dtype)
-        buf = _f32_to_f16_bits(x) if self.name == "fp16" else _f32_to_bf16_bits(x)
+        buf = _f32_to_f16(x) if self.name == "fp16" else _f32_to_bf16_bits(x)
         return buf.reshape(kv.shape[0], -1).view(_U8), ""
 
     def decode(self, enc, out):
@@ -280,11 +330,11 @@ class _Half(_Codec):
         if enc.dtype == self.native:
             np.copyto(out, src.view(COMPUTE_DTYPES[self.native]))
         elif self.name == "fp16" and enc.dtype == "float32":
-            np.copyto(out, src.view(_F16), casting="same_kind")
+            _f16_to_f32(src.view(_F16), out=out)
         elif self.name == "bf16" and enc.dtype == "float32":
             _bf16_bits_to_f32(src, out=out)
         else:  # fp16 <-> bfloat16 compute: through float32
-            x = src.view(_F16).astype(_F32) if self.name == "fp16" else _bf16_bits_to_f32(src)
+            x = _f16_to_f32(src.view(_F16)) if self.name == "fp16" else _bf16_bits_to_f32(src)
             _store_f32(x, out, enc.dtype)
 
 
@@ -304,34 +354,45 @@ class _Quant(_Codec):
 
     def record_nbytes(self, layer_shape, dtype, params="f16"):
         _, h, _, d = layer_shape
-        return 2 * 2 * h * d * PARAM_DTYPES[params].itemsize + self._packed(int(np.prod(layer_shape)))
+        return 2 * 2 * h * d * PARAM_DTYPES[params].itemsize + self._packed(math.prod(layer_shape))
 
-    def params(self, mn: np.ndarray, mx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                              np.ndarray, str]:
-        """Stored zero points and scales from per-channel min and max (see module docstring).
+    def params(self, mn: np.ndarray, mx: np.ndarray, nl: int, packed_nbytes: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+        """Zero points and scales from per-channel min and max [nl*C] (see module docstring).
 
-        Returns (z, s) as stored (fp16 or fp32), the same as float32, and the parameter dtype name.
+        Returns (records, z, s, parameter dtype name): new records uint8 [nl, record bytes] with z
+        and s stored in their parameter area (``packed_nbytes`` per layer left for the values),
+        and z, s as float32 [nl*C], exactly the stored values.
         """
-        amax = np.maximum(-mn, mx)  # max(|min|, |max|) since min <= max
+        c = len(mn) // nl
+        amax = np.negative(mn)
+        np.maximum(amax, mx, out=amax)  # max(|min|, |max|) since min <= max
         big = float(amax.max())
         if big < 65000.0:  # also False for nan
+            buf = np.empty((nl, 4 * c + packed_nbytes), _U8)
+            pv = buf[:, :4 * c].view(_F16).reshape(nl, 2, c)  # [nl, z|s, C]
             # Directed fp16 rounding without nextafter: a margin of 2^-10 |v| + 2^-24 exceeds half
             # an fp16 ulp (2^-11 |v| normal, 2^-25 subnormal), so round-to-nearest of v - margin is
-            # <= v and of s + margin is >= s.
-            margin = amax
-            margin *= _F32(2.0**-10)
-            margin += _F32(2.0**-24)
-            z16 = np.subtract(mn, margin).astype(_F16)
-            z = z16.astype(_F32)
+            # <= v and of s + margin is >= s. Each is rounded straight into the records and read
+            # back, so z and s are exactly the stored values.
+            z = amax
+            z *= _F32(2.0**-10)
+            z += _F32(2.0**-24)
+            np.subtract(mn, z, out=z)
+            _round_f16(z.reshape(nl, -1), pv[:, 0])
             s = np.subtract(mx, z)
             s *= _F32((1.0 + 2.0**-10) / self.qmax)
             s += _F32(2.0**-24)
-            s16 = s.astype(_F16)
-            return z16, s16, z, s16.astype(_F32), "f16"
+            _round_f16(s.reshape(nl, -1), pv[:, 1])
+            return buf, z, s, "f16"
         if not np.isfinite(big):
             raise ValueError("KV chunk holds inf or nan; quantized levels need finite values")
+        buf = np.empty((nl, 8 * c + packed_nbytes), _U8)
         s = np.maximum((mx - mn) * _F32(1.0 / self.qmax), amax * _F32(2.0**-16))
-        return mn, s, mn, s, "f32"
+        pv = buf[:, :8 * c].view(_F32).reshape(nl, 2, c)
+        pv[:, 0] = mn.reshape(nl, c)
+        pv[:, 1] = s.reshape(nl, c)
+        return buf, mn, s, "f32"
 
     def encode(self, kv, dtype):
         nl, _, h, t, d = kv.shape
@@ -349,28 +410,24 @@ class _Quant(_Codec):
         x = x5.reshape(t, nl * c)
         mn = np.minimum.reduce(x, axis=0)
         mx = np.maximum.reduce(x, axis=0)
-        z_st, s_st, z, s, params = self.params(mn, mx)
-        pdt = PARAM_DTYPES[params]
-        p_nbytes = 2 * c * pdt.itemsize
-        buf = np.empty((nl, p_nbytes + self._packed(n)), _U8)
-        pv = buf[:, :p_nbytes].view(pdt)
-        pv[:, :c] = z_st.reshape(nl, c)
-        pv[:, c:] = s_st.reshape(nl, c)
+        buf, z, s, params = self.params(mn, mx, nl, self._packed(n))
+        p_nbytes = 2 * c * PARAM_DTYPES[params].itemsize
 
         inv = np.divide(_F32(1.0), s)
         bias = np.multiply(z, inv)
         np.subtract(_F32(0.5), bias, out=bias)
         x *= inv
-        x += bias  # x = (x - z)/s + 1/2, in [0, qmax + 1)
+        x += bias  # x = (x - z)/s + 1/2, in [0, qmax + 1); the cast to uint8 truncates, i.e. floors
+        # (adding straight into a uint8 output is slower: numpy buffers mixed-dtype loops)
         xq = x.reshape(t, nl, c).transpose(1, 0, 2)  # [L, T, C] view
         dst = buf[:, p_nbytes:]
-        if self.bits == 8:  # the float -> uint8 cast truncates, i.e. floors
+        if self.bits == 8:
             np.copyto(dst.reshape(nl, t, c), xq, casting="unsafe")
             return buf, params
         g = self.group
         if t % g == 0:  # the g contiguous parts of a record are token ranges: pack token-major
             qt = _scratch.get("qt", (t, nl, c), _U8)
-            np.copyto(qt, x.reshape(t, nl, c), casting="unsafe")
+            np.copyto(qt.reshape(t, nl * c), x, casting="unsafe")
             parts = qt.reshape(g, t // g, nl, c)
             acc = _scratch.get("acc", (t // g, nl, c), _U8)
             np.copyto(acc, parts[g - 1])
@@ -397,8 +454,8 @@ class _Quant(_Codec):
         pdt = PARAM_DTYPES[enc.params]
         p_nbytes = 2 * c * pdt.itemsize
         pv = enc.payload[:, :p_nbytes].view(pdt)
-        z = pv[:, :c].astype(_F32)  # [L, C]
-        s = pv[:, c:].astype(_F32)  # [L, C]
+        z = _params_f32(pv[:, :c])  # [L, C]
+        s = _params_f32(pv[:, c:])  # [L, C]
         packed = enc.payload[:, p_nbytes:]
         if self.bits == 8:
             q = packed
@@ -412,7 +469,8 @@ class _Quant(_Codec):
             q = parts.reshape(nl, -1)[:, :n]
         # Same trick as encode: dequantize token-major [T, L, C] so the affine map broadcasts over
         # the outer axis, then one transposing copy into the caller's [L, 2, H, T, D] view (a
-        # strided slot of a context buffer is touched once, write-only).
+        # strided slot of a context buffer is touched once, write-only). Widening uint8 inside the
+        # multiply is slower than this separate copy (numpy's mixed-dtype loops are buffered).
         x = _scratch.get("xt", (t, nl, 2, h, d), _F32).reshape(t, nl, c)  # shared with encode
         np.copyto(x, q.reshape(nl, t, c).transpose(1, 0, 2))
         x *= s

@@ -63,6 +63,20 @@ class FileOps:
             offset += len(b)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def pread_into(self, fd: int, buf: memoryview, offset: int) -> int:
+        """Fill ``buf`` from ``offset`` (fewer bytes only at end of file); returns bytes read.
+
+        One copy from the page cache straight into the caller's (writable) buffer.
+        """
+        view = memoryview(buf).cast("B")
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if not n:
+                break
+            got += n
+        return got
+
     def fadvise_willneed(self, fd: int) -> None:
         """Start reading the whole file into the page cache in the background (a hint)."""
         if hasattr(os, "posix_fadvise"):

@@ -84,6 +84,11 @@ def test_read_layers_reads_only_those_layers(tmp_path):
             CountingOps.read += len(data)
             return data
 
+        def pread_into(self, fd, buf, offset):
+            n = super().pread_into(fd, buf, offset)
+            CountingOps.read += n
+            return n
+
     store = ChunkStore(tmp_path, fingerprint=FP, fs=CountingOps())
     kv = synthetic_kv()
     enc = C.encode(kv, "raw")
@@ -92,7 +97,10 @@ def test_read_layers_reads_only_those_layers(tmp_path):
     part = store.read_layers(KEY, 0, range(10, 13))
     assert part.first_layer == 10 and part.shape == (3, 2, 3, 16, 64)
     np.testing.assert_array_equal(C.decode(part), kv[10:13])
-    assert CountingOps.read < 4 * meta.nbytes / 30 + 4096  # 3 layers + the header, not 30
+    assert 3 * enc.record_nbytes < CountingOps.read < 4 * meta.nbytes / 30 + 4096  # 3 layers + header
+    CountingOps.read = 0
+    store.read(KEY, 0)
+    assert CountingOps.read == meta.nbytes  # a full read reads the file once
     with pytest.raises(ValueError):
         store.read_layers(KEY, 0, range(28, 31))
 
@@ -314,3 +322,30 @@ def test_read_many_prefetches_then_reads(tmp_path):
             for g, i in zip(got, [4, 0, 2]):
                 np.testing.assert_array_equal(g.payload, encs[i].payload)
     assert store.prefetch(KEY, [0, 7]) == 1  # missing files are skipped
+
+
+@pytest.mark.parametrize("level", ["raw", "q8"])
+def test_compressible_layers_are_stored_lz4_and_read_back(tmp_path, level):
+    """Layers lz4 shrinks by an eighth or more are stored compressed, the others as is."""
+    store = ChunkStore(tmp_path, fingerprint=FP)
+    kv = synthetic_kv()
+    kv[3:7] = 0.0  # four constant layers: lz4 stores them in a few dozen bytes
+    enc = C.encode(kv, level)
+    meta = store.write(KEY, 0, enc, 0)
+    lens = meta.header.lengths
+    assert all(n < enc.record_nbytes // 8 for n in lens[3:7])
+    assert all(n == enc.record_nbytes for i, n in enumerate(lens) if not 3 <= i < 7)
+    np.testing.assert_array_equal(store.read(KEY, 0).payload, enc.payload)
+    for layers in (range(2, 8), range(4, 5), range(7, 9)):
+        part = store.read_layers(KEY, 0, layers)
+        np.testing.assert_array_equal(part.payload, enc.payload[layers.start:layers.stop])
+    never = ChunkStore(tmp_path / "plain", ChunkStoreConfig(lz4_level=-1), fingerprint=FP)
+    assert set(never.write(KEY, 0, enc, 0).header.lengths) == {enc.record_nbytes}
+
+
+def test_read_payload_is_writable_and_aligned(store):
+    """Decoders use the records in place (torch wraps writable arrays only)."""
+    store.write(KEY, 0, C.encode(synthetic_kv(), "fp16"), 0)
+    for enc in (store.read(KEY, 0), store.read_layers(KEY, 0, range(3, 9))):
+        assert enc.payload.flags.writeable and enc.payload.flags.c_contiguous
+        assert enc.payload.ctypes.data % 16 == 0  # numpy aligns buffers; the file pads the payload to 64

@@ -8,7 +8,7 @@ import time
 import tracemalloc
 import zlib
 
-import lz4.frame
+import lz4.block
 import msgpack
 import numpy as np
 import pytest
@@ -70,6 +70,26 @@ def test_single_byte_flips_are_detected(store, level):
     np.testing.assert_array_equal(store.read(KEY, 0).payload, C.encode(kv, level).payload)
 
 
+@pytest.mark.parametrize("level", ["raw", "q4"])
+def test_flips_are_detected_by_partial_reads_of_that_layer(store, level):
+    """A layer read alone is checked against its own crc32: 300 random flips inside layers 1-2
+    are each caught by a read of the layers they hit; a read of layer 0 alone is unaffected."""
+    kv = synthetic_kv(SMALL, seed=7)
+    meta = store.write(KEY, 0, C.encode(kv, level), 0)
+    good = open(store.path(KEY, 0), "rb").read()
+    h = meta.header
+    base = len(good) - h.payload_nbytes
+    rng = np.random.default_rng(3)
+    for pos in rng.integers(base + h.offsets[1], len(good), 300).tolist():
+        bad = bytearray(good)
+        bad[pos] ^= int(rng.integers(1, 256))
+        put(store, bytes(bad))
+        layer = 1 if pos < base + h.offsets[2] else 2
+        with pytest.raises(CorruptChunkError, match=f"layer {layer}: checksum"):
+            store.read_layers(KEY, 0, range(layer, layer + 1))
+        assert store.read_layers(KEY, 0, range(0, 1)).payload.shape[0] == 1
+
+
 def test_truncation_zero_length_wrong_magic_and_version(store):
     kv = synthetic_kv(SMALL, seed=4)
     store.write(KEY, 0, C.encode(kv, "q4"), 0)
@@ -116,7 +136,8 @@ def test_swapped_file_of_another_chunk_is_detected(store):
 
 def file_with_header(body: bytes, payload: bytes = b"", hlen: int | None = None) -> bytes:
     hlen = len(body) if hlen is None else hlen
-    return fmt._PREFIX.pack(fmt.MAGIC, fmt.FORMAT_VERSION, 0, hlen, zlib.crc32(body)) + body + payload
+    head = fmt._PREFIX.pack(fmt.MAGIC, fmt.FORMAT_VERSION, 0, hlen, zlib.crc32(body)) + body
+    return head + bytes(max(0, fmt.payload_start(len(body)) - len(head))) + payload
 
 
 def valid_header_fields(store: ChunkStore) -> tuple[dict, bytes]:
@@ -124,7 +145,7 @@ def valid_header_fields(store: ChunkStore) -> tuple[dict, bytes]:
     data = open(store.path(KEY, 0), "rb").read()
     hlen = struct.unpack_from("<I", data, 12)[0]
     body = data[fmt.PREFIX_NBYTES:fmt.PREFIX_NBYTES + hlen]
-    return msgpack.unpackb(body), data[fmt.PREFIX_NBYTES + hlen:]
+    return msgpack.unpackb(body), data[fmt.payload_start(hlen):]
 
 
 def bounded(fn) -> tuple[float, int]:
@@ -168,9 +189,9 @@ def test_header_length_beyond_the_cap_is_rejected_before_reading(store):
 
 @pytest.mark.parametrize("field,value", [
     ("shape", [2**31, 2, 1, 16, 8]), ("shape", [3, 2, 1, 16]), ("shape", [3, 2, 1, 16, 2**20]),
-    ("rec", 2**40), ("len", [2**40, 1, 1]), ("off", [0, 2**40, 2**41]), ("tok", [0, 2**40]),
+    ("rec", 2**40), ("len", [2**40, 1, 1]), ("len", [0, 1024, 1024]), ("tok", [0, 2**40]),
     ("level", "q3"), ("dtype", "float64"), ("ctx", "../../etc"), ("idx", -1), ("idx", True),
-    ("cv", 99), ("sum", [2**33, 0, 0]), ("params", "f64"),
+    ("cv", 99), ("sum", [2**33, 0, 0]), ("params", "f64"), ("psum", 2**33), ("psum", -1),
 ])
 def test_header_fields_out_of_range_are_rejected(store, field, value):
     fields, payload = valid_header_fields(store)
@@ -180,47 +201,61 @@ def test_header_fields_out_of_range_are_rejected(store, field, value):
     assert elapsed < 0.5 and peak < 2_000_000, (elapsed, peak)
 
 
-def _frame_claiming(size: int, data: bytes) -> bytes:
-    """An lz4 frame whose header claims ``size`` bytes but whose blocks hold ``data``."""
-    head = lz4.frame.LZ4FrameCompressor(content_checksum=True, block_linked=False,
-                                        block_size=lz4.frame.BLOCKSIZE_MAX1MB).begin(size)
-    c = lz4.frame.LZ4FrameCompressor(content_checksum=True, block_linked=False,
-                                     block_size=lz4.frame.BLOCKSIZE_MAX1MB)
-    c.begin()
-    return head + c.compress(data) + c.flush()
-
-
-def hostile_frame_file(store: ChunkStore, frame: bytes) -> bytes:
+def hostile_block_file(store: ChunkStore, block: bytes) -> bytes:
+    """Every layer stored as ``block`` with honest checksums: only the lz4 content is hostile."""
     fields, _ = valid_header_fields(store)
     n = fields["shape"][0]
-    fields["off"] = list(range(0, n * len(frame), len(frame)))
-    fields["len"] = [len(frame)] * n
-    fields["sum"] = [int.from_bytes(frame[-4:], "little")] * n
-    return file_with_header(msgpack.packb(fields), frame * n)
+    fields["len"] = [len(block)] * n
+    fields["sum"] = [zlib.crc32(block)] * n
+    fields["psum"] = zlib.crc32(block * n)
+    return file_with_header(msgpack.packb(fields), block * n)
 
 
-def test_lz4_frame_claiming_a_huge_size_is_rejected_before_decompressing(store):
-    frame = _frame_claiming(2**40, bytes(1000))
-    put(store, hostile_frame_file(store, frame))
+RAW_REC = C.CODECS["raw"].record_nbytes(SMALL[1:], "float32")  # 1024 B
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_lz4_bomb_is_cut_off_at_the_record_size(store, full):
+    """A block within the record's size that expands to ~200 KB: the output is bounded."""
+    block = lz4.block.compress(bytes(200_000), store_size=False)
+    assert len(block) < RAW_REC
+    put(store, hostile_block_file(store, block))
+    read = (lambda: store.read(KEY, 0)) if full else (lambda: store.read_layers(KEY, 0, range(1, 2)))
+    elapsed, peak = bounded(lambda: pytest.raises(CorruptChunkError, read))
+    assert elapsed < 0.5 and peak < 2_000_000, (elapsed, peak)
+
+
+def test_lz4_block_shorter_than_its_record_is_rejected(store):
+    put(store, hostile_block_file(store, lz4.block.compress(bytes(RAW_REC // 2), store_size=False)))
+    assert "decompresses to" in str(assert_rejected(store))
+
+
+def test_lz4_block_of_garbage_is_rejected(store):
+    put(store, hostile_block_file(store, bytes([0xF0]) + bytes(range(200))))
+    assert "lz4" in str(assert_rejected(store))
+
+
+def test_layer_longer_than_its_record_is_rejected_unread(store):
+    put(store, hostile_block_file(store, bytes(RAW_REC + 1)))
+    assert "record lengths" in str(assert_rejected(store))
+
+
+def test_records_larger_than_the_file_cap_are_refused_before_decompressing(tmp_path):
+    """Small lz4 blocks could claim up to ~255x their size: the decoded total is capped too."""
+    from storage.chunkfile import ChunkStoreConfig
+
+    store = ChunkStore(tmp_path, ChunkStoreConfig(max_file_bytes=2 * RAW_REC), fingerprint=FP)
+    put(store, hostile_block_file(store, lz4.block.compress(bytes(RAW_REC), store_size=False)))
     elapsed, peak = bounded(lambda: assert_rejected(store))
-    assert elapsed < 0.5 and peak < 2_000_000
+    assert "file cap" in str(assert_rejected(store)) and elapsed < 0.5 and peak < 200_000
 
 
-def test_lz4_bomb_with_an_honest_looking_size_is_cut_off(store):
-    """The frame claims the record size but decompresses to 64 MiB: output is bounded."""
-    rec = C.CODECS["raw"].record_nbytes(SMALL[1:], "float32")
-    frame = _frame_claiming(rec, bytes(64 << 20))
-    assert lz4.frame.get_frame_info(frame)["content_size"] == rec and len(frame) < 400_000
-    put(store, hostile_frame_file(store, frame))
-    elapsed, peak = bounded(lambda: assert_rejected(store))
-    assert elapsed < 0.5 and peak < 4_000_000, (elapsed, peak)
-
-
-def test_frame_without_content_size_is_rejected(store):
-    rec = C.CODECS["raw"].record_nbytes(SMALL[1:], "float32")
-    frame = lz4.frame.compress(bytes(rec), store_size=False, content_checksum=True)
-    put(store, hostile_frame_file(store, frame))
-    assert "content size" in str(assert_rejected(store))
+def test_version_1_files_are_refused_with_a_typed_error(store):
+    store.write(KEY, 0, C.encode(synthetic_kv(SMALL), "q8"), 0)
+    good = open(store.path(KEY, 0), "rb").read()
+    put(store, good[:8] + struct.pack("<H", 1) + good[10:])
+    err = assert_rejected(store)
+    assert isinstance(err, ChunkVersionError) and "version 1" in str(err)
 
 
 def test_oversized_file_is_refused_unread(tmp_path):
