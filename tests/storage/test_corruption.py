@@ -44,15 +44,18 @@ def assert_rejected(store: ChunkStore, index: int = 0) -> CorruptChunkError:
     raise AssertionError("a damaged chunk file was read as data")
 
 
+def written(store, level, seed):
+    """Write one chunk of synthetic K/V; its file's bytes, header and payload offset."""
+    meta = store.write(KEY, 0, C.encode(synthetic_kv(SMALL, seed=seed), level), 0)
+    good = open(store.path(KEY, 0), "rb").read()
+    return good, meta.header, len(good) - meta.header.payload_nbytes
+
+
 @pytest.mark.parametrize("level", ["raw", "fp16", "q8", "q2"])
 def test_single_byte_flips_are_detected(store, level):
     """Every byte of the prefix, the header and each frame's descriptor and trailer, and 400
     random payload bytes (every byte of a small file), flipped one at a time: 500-800 each."""
-    kv = synthetic_kv(SMALL, seed=3)
-    meta = store.write(KEY, 0, C.encode(kv, level), 0)
-    good = open(store.path(KEY, 0), "rb").read()
-    h = meta.header
-    base = len(good) - h.payload_nbytes
+    good, h, base = written(store, level, seed=3)
     rng = np.random.default_rng(1)
     positions = set(range(base))  # prefix and header
     for o, n in zip(h.offsets, h.lengths):
@@ -67,18 +70,14 @@ def test_single_byte_flips_are_detected(store, level):
         assert_rejected(store)
     assert len(positions) > 500
     put(store, good)
-    np.testing.assert_array_equal(store.read(KEY, 0).payload, C.encode(kv, level).payload)
+    np.testing.assert_array_equal(store.read(KEY, 0).payload, C.encode(synthetic_kv(SMALL, seed=3), level).payload)
 
 
 @pytest.mark.parametrize("level", ["raw", "q4"])
 def test_flips_are_detected_by_partial_reads_of_that_layer(store, level):
     """A layer read alone is checked against its own crc32: 300 random flips inside layers 1-2
     are each caught by a read of the layers they hit; a read of layer 0 alone is unaffected."""
-    kv = synthetic_kv(SMALL, seed=7)
-    meta = store.write(KEY, 0, C.encode(kv, level), 0)
-    good = open(store.path(KEY, 0), "rb").read()
-    h = meta.header
-    base = len(good) - h.payload_nbytes
+    good, h, base = written(store, level, seed=7)
     rng = np.random.default_rng(3)
     for pos in rng.integers(base + h.offsets[1], len(good), 300).tolist():
         bad = bytearray(good)
