@@ -175,26 +175,59 @@ class _RegistryProxy:
 
 
 class RayRestorer:
-    """Hands a restore to the recompute worker, which consumes the IO worker's stream."""
+    """Hands a restore to the recompute worker, which consumes the IO worker's stream. Layer groups are
+    sized per restore so that handing a group over (one object ref, measured at start) costs under a
+    tenth of reading it (scheduler.pipeline.layer_group_size), at the read rate last observed."""
 
-    def __init__(self, worker, n_layers: int, group_layers: int, shm_name: str, capacity: int) -> None:
+    def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
+                 read_rate) -> None:
         self.worker = worker
-        self.groups = layer_groups(n_layers, group_layers)
+        self.cfg = cfg
+        self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
         self.shm_name, self.capacity = shm_name, capacity
+        self.per_ref_s = per_ref_s
+        self.read_rate = read_rate
+
+    def group_size(self, plan) -> int:
+        from scheduler.pipeline import layer_group_size
+        from storage import codecs
+
+        nbytes = sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
+        return layer_group_size(self.cfg.n_layers, self.per_ref_s, self.read_rate.s_per_byte, nbytes)
 
     def restore(self, ws, plan):
+        size = self.group_size(plan)
+        groups = layer_groups(self.cfg.n_layers, size)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
-                             [i for i, _, _ in plan.load], list(plan.recompute), self.groups,
+                             [i for i, _, _ in plan.load], list(plan.recompute), groups,
                              self.shm_name, self.capacity)
         res = call_retrying(self.worker.restore, req)
+        reads = [(a, b) for what, _g, a, b in res.timeline if what == "read"]
+        if reads and res.loaded_bytes:
+            self.read_rate.observe(sum(b - a for a, b in reads), res.loaded_bytes)
+        res.timeline.append(("group_layers", size, 0.0, 0.0))
         ws.missing = set()
         plan.recompute = sorted(set(plan.recompute) | set(res.failed) | {i for i, _, _ in plan.load})
         return res, []  # loaded chunks are re-encoded from the working set after the call
 
 
+def per_ref_seconds(io_handle, n: int = 32) -> float:
+    """What one streamed object ref costs between two actors here: a streaming generator of `n` tiny
+    items, timed end to end (median of three runs)."""
+    import statistics
+
+    runs = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for ref in io_handle.ping.remote(n):
+            ray.get(ref)
+        runs.append((time.perf_counter() - t) / n)
+    return statistics.median(runs)
+
+
 class ExecutorActor:
-    def __init__(self, cfg: dict, model_dir: str, fingerprint: str, gov_handle, recompute_handle,
-                 prefix: str, group_layers: int, threads: int) -> None:
+    def __init__(self, cfg: dict, model_dir: str, fingerprint: str, gov_handle, recompute_handle, io_handle,
+                 prefix: str, threads: int) -> None:
         import torch
 
         from actors.executor import ModelExecutor
@@ -215,8 +248,13 @@ class ExecutorActor:
         _unlink_stale_segments()
         self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True)
         ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
-        self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle),
-                                RayRestorer(recompute_handle, model.cfg.n_layers, group_layers, shm_name, engine.limit),
+        from scheduler.pipeline import CostProfile, ReadRate
+
+        self.read_rate = ReadRate(CostProfile.from_json(c.profile).io.slope if c.profile else 0.0)
+        self.per_ref_s = per_ref_seconds(io_handle)
+        restorer = RayRestorer(recompute_handle, model.cfg, shm_name, engine.limit, c.chunk_tokens,
+                               self.per_ref_s, self.read_rate)
+        self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle), restorer,
                                 working_set=ws, put=ray.put, background=True)  # write-back after the reply
         model.warmup()
         from actors.metrics import Metrics, init_executor_series
@@ -260,8 +298,15 @@ class ExecutorActor:
         """Measure (or read the cached) pipeline cost profile with this process's model and threads."""
         from actors.profiling import load_or_measure
 
-        return load_or_measure(self.ex.model, self.ex.engine.fingerprint, read_bytes_per_s=read_bytes_per_s,
-                               progress=False).to_json()
+        prof = load_or_measure(self.ex.model, self.ex.engine.fingerprint, read_bytes_per_s=read_bytes_per_s,
+                               progress=False)
+        if self.read_rate.s_per_byte <= 0:
+            self.read_rate.s_per_byte = prof.io.slope
+        return prof.to_json()
+
+    def per_ref_cost(self) -> float:
+        """Seconds one streamed object ref costs (measured at start)."""
+        return self.per_ref_s
 
     def forget(self, ctx: str) -> None:
         self.ex.flush()  # the context's write-back must finish before it can be deleted
@@ -276,7 +321,7 @@ class ExecutorActor:
 class RayService:
     """Start (or attach to) the actors of one node and call them (LLMS Table 1)."""
 
-    def __init__(self, config: ServiceConfig, *, model_path: str | None = None, group_layers: int = 6,
+    def __init__(self, config: ServiceConfig, *, model_path: str | None = None,
                  prefix: str = "llmaas", max_restarts: int = 2) -> None:
         from engine.loader import resolve_model
 
@@ -297,7 +342,7 @@ class RayService:
         self.recompute = ray.remote(RecomputeWorker).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
             str(resolved.directory), resolved.fingerprint, ecfg, self.io, 1)
         self.executor = ray.remote(ExecutorActor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
-            cfgd, str(resolved.directory), resolved.fingerprint, self.gov, self.recompute, prefix, group_layers, 1)
+            cfgd, str(resolved.directory), resolved.fingerprint, self.gov, self.recompute, self.io, prefix, 1)
         ray.get([self.executor.__ray_ready__.remote(), self.recompute.__ray_ready__.remote()])
         if not config.profile:
             ray.get(self.gov.call.remote("set_profile", ray.get(self.executor.profile.remote(config.read_bytes_per_s))))

@@ -104,6 +104,11 @@ class KVSwapIO:
             self.observe("in", nbytes, time.monotonic() - t0)
             yield LayerGroup(g, layers, chunks, dict(failed), t0, time.monotonic(), nbytes)
 
+    def ping(self, n: int) -> Iterator[int]:
+        """`n` tiny items (under Ray, a streaming generator): what handing over one ref costs."""
+        for i in range(n):
+            yield i
+
     def delete(self, ctx: str, index: int) -> None:
         self.store.delete(ctx, index)
 

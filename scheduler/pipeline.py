@@ -299,3 +299,31 @@ class RestoreLog:
         if not self._pairs:
             return None
         return statistics.median(abs(math.log(m / p)) for p, m in self._pairs)
+
+
+def layer_group_size(n_layers: int, per_ref_s: float, io_s_per_byte: float, load_bytes: int,
+                     ref_share: float = 0.1) -> int:
+    """Layers per streamed group for a restore that loads ``load_bytes``: the fewest layers whose read
+    takes at least ``per_ref_s / ref_share`` (so handing a group over costs under a tenth of reading
+    it, issue 4), which keeps the most groups, and so the most IO/recompute overlap, at that cost.
+
+    One group of everything when nothing is loaded or the costs are unknown (zero)."""
+    count("n_layers", n_layers, 1)
+    if load_bytes <= 0 or io_s_per_byte <= 0 or per_ref_s <= 0:
+        return n_layers
+    per_layer_s = io_s_per_byte * load_bytes / n_layers
+    return max(1, min(n_layers, math.ceil(per_ref_s / ref_share / per_layer_s)))
+
+
+class ReadRate:
+    """Seconds per byte of the IO worker's reads as last observed (exponentially weighted), seeded by
+    the profile: the profile's throttle may not match the running store's."""
+
+    def __init__(self, s_per_byte: float, weight: float = 0.3) -> None:
+        self.s_per_byte = max(0.0, float(s_per_byte))
+        self.weight = weight
+
+    def observe(self, seconds: float, nbytes: int) -> None:
+        if seconds > 0 and nbytes > 0:
+            x = seconds / nbytes
+            self.s_per_byte = x if self.s_per_byte <= 0 else (1 - self.weight) * self.s_per_byte + self.weight * x

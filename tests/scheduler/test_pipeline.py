@@ -215,3 +215,25 @@ def test_restore_log_keeps_the_latest():
     for m in (1.0, 2.0, 4.0):
         log.record(1.0, m)
     assert log.pairs == ((1.0, 2.0), (1.0, 4.0)) and len(log) == 2
+
+
+def test_layer_group_size_keeps_ref_cost_under_a_tenth_of_the_read():
+    from scheduler.pipeline import ReadRate, layer_group_size
+
+    # 30 layers, 1 ms per ref, 3 MB at 1 ns/B: 0.1 ms of reading per layer -> 100 layers' worth: all in one
+    assert layer_group_size(30, 1e-3, 1e-9, 3_000_000) == 30
+    # 100 MB/s reads of 6 MB: 2 ms a layer; a group must take >= 10 ms -> 5 layers
+    assert layer_group_size(30, 1e-3, 1e-8, 6_000_000) == 5
+    for n_layers, per_ref, rate, nbytes in [(30, 5e-4, 1.25e-7, 400_000), (24, 2e-3, 3e-9, 90_000_000), (7, 1e-4, 1e-6, 10_000)]:
+        k = layer_group_size(n_layers, per_ref, rate, nbytes)
+        read = rate * nbytes / n_layers * k
+        assert 1 <= k <= n_layers
+        assert k == n_layers or per_ref <= 0.1 * read + 1e-12  # the ref is under a tenth of the group's read
+        assert k == 1 or per_ref > 0.1 * read / k * (k - 1) - 1e-12  # and one layer fewer would not be
+    assert layer_group_size(30, 1e-3, 1e-8, 0) == 30  # nothing loaded
+    assert layer_group_size(30, 0.0, 1e-8, 10**6) == 30  # unknown cost
+    r = ReadRate(0.0)
+    r.observe(0.5, 1_000_000)
+    assert r.s_per_byte == 5e-7
+    r.observe(1.0, 1_000_000)
+    assert 5e-7 < r.s_per_byte < 1e-6
