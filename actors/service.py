@@ -7,11 +7,10 @@ what the Ray-free policy tests drive. The Ray wiring lives in `actors.ray_servic
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.config import ServiceConfig
 from actors.executor import CallOutcome, InProcessRestorer, ModelExecutor
 from actors.governor import GovernorConfig, MemoryGovernor
 from actors.swapio import KVSwapIO
@@ -20,31 +19,6 @@ from engine.context import ContextEngine
 from scheduler.pipeline import CostProfile
 from storage.chunkfile import ChunkStoreConfig
 from storage.registry import Registry, RegistryConfig
-
-
-@dataclass(slots=True)
-class ServiceConfig:
-    data_dir: str = field(default_factory=lambda: os.environ.get("LLMAAS_DATA_DIR", "./data"))
-    """Registry and chunk files live here."""
-    policy: str = "llms"
-    """Memory policy set (scheduler.policies.POLICIES)."""
-    pool_bytes: int = 256 << 20
-    """KV pool budget: resident chunks as stored, bytes."""
-    max_context_tokens: int = 4096
-    """Longest context before overflow handling, tokens (also the working set's size)."""
-    max_contexts_per_app: int = 0
-    """Per-app limit K of contexts; 0 for none."""
-    read_bytes_per_s: float = 0.0
-    """Chunk read throttle emulating slow storage, bytes/s; 0 for none."""
-    read_burst_bytes: int = 256 * 1024
-    """Bytes the throttle lets through at once after an idle spell (token bucket depth)."""
-    disk_cap_bytes: int = 0
-    """Chunk file disk cap, bytes; 0 for none."""
-    chunk_tokens: int = 16
-    """Tokens per KV chunk."""
-    profile: str = ""
-    """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
-    model and throttle, then cached (`llmaas profile` re-runs it)."""
 
 
 def drain(gen):

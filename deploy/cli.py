@@ -3,7 +3,8 @@
 `llmaas serve` runs the HTTP service (Ray Serve) until Ctrl-C. `llmaas generate` runs one prompt through
 the engine in this process; `llmaas chat` is an interactive multi-turn conversation on one context, in
 this process or, with `--url`, on a running server. `llmaas contexts list|show|delete` manages an app's
-contexts on a server. Generated text goes to stdout, everything else to stderr, so output can be piped.
+contexts on a server. `llmaas bench replay|report` replays a trace against memory policies and reports
+the results. Generated text goes to stdout, everything else to stderr, so output can be piped.
 """
 
 from __future__ import annotations
@@ -206,6 +207,16 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    if args.what == "replay":
+        from deploy.jobs.replay import main as replay_main
+
+        return replay_main(args.args, prog="llmaas bench replay")
+    from bench.report import main as report_main
+
+    return report_main(args.args, prog="llmaas bench report")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
                    help="GGUF file or Hugging Face checkpoint directory (Llama, Qwen2); default: the embedded "
@@ -284,6 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--throttle-mbps", type=float, default=0.0, help="chunk read throttle to profile under (MB/s)")
     _add_model_args(pr)
     pr.set_defaults(func=cmd_profile)
+    b = sub.add_parser("bench", help="benchmarks: replay a trace against policies, report the results",
+                       description="`llmaas bench replay ...` is `python -m deploy.jobs.replay ...` (replay a "
+                                   "context-switching trace against memory policies: per-call CSV, summary JSON); "
+                                   "`llmaas bench report RESULTS_DIR [--write docs/benchmarks.md]` is "
+                                   "`python -m bench.report ...` (markdown tables, PNG plots). "
+                                   "`llmaas bench replay --help` lists the options.")
+    b.add_argument("what", choices=["replay", "report"])
+    b.add_argument("args", nargs=argparse.REMAINDER, help="that command's options")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.service import ServiceConfig
+from actors.config import ServiceConfig
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
 from deploy.api_models import (

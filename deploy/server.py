@@ -18,7 +18,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from actors.service import ServiceConfig
+from actors.config import ServiceConfig
 from deploy.settings import ServerConfig, admin_token, private_secret
 
 

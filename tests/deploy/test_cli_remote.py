@@ -60,3 +60,17 @@ def test_clear_errors(server, app):
     assert r.returncode != 0 and "needs a context id" in r.stderr
     r = llmaas("chat", "--url", server.url, "--temperature", "-1", stdin="hi\n", token=app.token)
     assert "invalid_request" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_rejects_bad_options_before_starting_anything(tmp_path):
+    r = llmaas("serve", "--policy", "nope", "--data-dir", str(tmp_path / "d"), timeout=60)
+    assert r.returncode == 2 and "unknown policy 'nope'" in r.stderr and "llms" in r.stderr
+    r = llmaas("serve", "--kv-budget", "0", "--data-dir", str(tmp_path / "d"), timeout=60)
+    assert r.returncode == 2 and "--kv-budget" in r.stderr
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policy: llms\npool_byts: 5\n")
+    r = llmaas("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d"), timeout=60)
+    assert r.returncode == 2 and "pool_byts" in r.stderr and "pool_bytes" in r.stderr
+    assert not (tmp_path / "d").exists()  # nothing was created, no Ray was started
+    r = llmaas("serve", "--help", timeout=60)
+    assert r.returncode == 0 and "--kv-budget" in r.stdout and "127.0.0.1" in r.stdout

@@ -1,0 +1,32 @@
+"""The context service's configuration: plain data, importable without torch or Ray (the CLI checks
+it before starting anything)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    data_dir: str = field(default_factory=lambda: os.environ.get("LLMAAS_DATA_DIR", "./data"))
+    """Registry and chunk files live here."""
+    policy: str = "llms"
+    """Memory policy set (scheduler.policies.POLICIES)."""
+    pool_bytes: int = 256 << 20
+    """KV pool budget: resident chunks as stored, bytes."""
+    max_context_tokens: int = 4096
+    """Longest context before overflow handling, tokens (also the working set's size)."""
+    max_contexts_per_app: int = 0
+    """Per-app limit K of contexts; 0 for none."""
+    read_bytes_per_s: float = 0.0
+    """Chunk read throttle emulating slow storage, bytes/s; 0 for none."""
+    read_burst_bytes: int = 256 * 1024
+    """Bytes the throttle lets through at once after an idle spell (token bucket depth)."""
+    disk_cap_bytes: int = 0
+    """Chunk file disk cap, bytes; 0 for none."""
+    chunk_tokens: int = 16
+    """Tokens per KV chunk."""
+    profile: str = ""
+    """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
+    model and throttle, then cached (`llmaas profile` re-runs it)."""
