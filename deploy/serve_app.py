@@ -8,8 +8,10 @@ the data directory, so a restarted server loses nothing.
 
 Run it with `llmaas serve` (or `make serve`), `serve run deploy.serve_app:build data_dir=...`, or
 `serve deploy deploy/serve_config.yaml`.
-"""
 
+(No `from __future__ import annotations` here: Serve ships the ingress class by value, and FastAPI must
+see the route annotations as real types to parse bodies.)
+"""
 
 import asyncio
 import hmac
@@ -85,18 +87,21 @@ class _Limiter:
 
 
 class _BodyLimit:
-    """ASGI middleware: bodies over `limit` bytes answer 413 before anything parses them."""
+    """ASGI middleware: bodies over `settings.RUNTIME["max_body_bytes"]` answer 413 before anything
+    parses them."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app) -> None:
+        self.app = app
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        for k, v in scope.get("headers", []):
-            if k == b"content-length" and (not v.isdigit() or int(v) > self.limit):
-                return await _send_error(send, APIError("body_too_large", f"request body over {self.limit} bytes"))
-        if any(k == b"content-length" for k, _ in scope.get("headers", [])):
+        limit = settings.RUNTIME["max_body_bytes"]
+        too_large = APIError("body_too_large", f"request body over {limit} bytes")
+        length = [v for k, v in scope.get("headers", []) if k == b"content-length"]
+        if length:
+            if not length[0].isdigit() or int(length[0]) > limit:
+                return await _send_error(send, too_large)
             return await self.app(scope, receive, send)
         # no length given (chunked): read the body here, up to the limit, then hand it on
         msgs, seen = [], 0
@@ -106,8 +111,8 @@ class _BodyLimit:
             if msg["type"] != "http.request":
                 break
             seen += len(msg.get("body", b""))
-            if seen > self.limit:
-                return await _send_error(send, APIError("body_too_large", f"request body over {self.limit} bytes"))
+            if seen > limit:
+                return await _send_error(send, too_large)
             if not msg.get("more_body"):
                 break
 
@@ -137,21 +142,6 @@ api = FastAPI(
 )
 
 
-class _ConfiguredBodyLimit(_BodyLimit):
-    def __init__(self, app) -> None:
-        super().__init__(app, 0)
-
-    @property
-    def limit(self) -> int:  # type: ignore[override]
-        return settings.RUNTIME["max_body_bytes"]
-
-    @limit.setter
-    def limit(self, _v) -> None:
-        pass
-
-
-api.add_middleware(_ConfiguredBodyLimit)
-
 class _CountRequests:
     """ASGI middleware (outermost): `llmaas_requests_total{route, code}`, route as its template."""
 
@@ -176,7 +166,8 @@ class _CountRequests:
             metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
 
 
-api.add_middleware(_CountRequests)
+api.add_middleware(_BodyLimit)
+api.add_middleware(_CountRequests)  # added last: outermost, so it also counts the body limit's 413s
 
 
 @api.exception_handler(APIError)
@@ -308,21 +299,18 @@ class Ingress:
                               prefix=f"llmaas-{uuid.uuid4().hex[:8]}")
         self.gov, self.executor = self.svc.gov, self.svc.executor
         self.model_id = self.svc.model_id
-        self.ready = True
 
     # ---- helpers ------------------------------------------------------------------------------------
     async def _app(self, request: Request) -> str:
-        token = _bearer(request)
-        try:
-            return await _aget(self.gov.registry_call, "app_for_token", token)
-        except Exception as e:  # noqa: BLE001 - mapped to a typed API error
-            raise from_exception(_cause(e)) from None
+        """The app holding the request's bearer token (401 otherwise)."""
+        return await self._do(self.gov.registry_call, "app_for_token", _bearer(request))
 
     def _is_admin(self, request: Request) -> None:
         if not hmac.compare_digest(_bearer(request).encode(), self.admin.encode()):
             raise APIError("unauthorized", "this route needs the admin token")
 
     async def _do(self, method, *args, **kwargs):
+        """An actor call whose errors become typed API errors."""
         try:
             return await _aget(method, *args, **kwargs)
         except APIError:
@@ -392,18 +380,15 @@ class Ingress:
     async def unbind(self, name: str, request: Request):
         self._is_admin(request)
         check_app_name(name)
-        try:
-            ctxs = await _aget(self.gov.registry_call, "list_contexts", name)
-        except Exception as e:  # noqa: BLE001
-            raise from_exception(_cause(e)) from None
+        ctxs = await self._do(self.gov.registry_call, "list_contexts", name)
         for c in ctxs:
             await self._delete(c.id, name)
         try:
-            await _aget(self.gov.registry_call, "delete_app", name)
-        except Exception as e:  # noqa: BLE001
-            if getattr(_cause(e), "code", "") == "unknown_app":
+            await self._do(self.gov.registry_call, "delete_app", name)
+        except APIError as e:
+            if e.code == "unauthorized":  # unknown_app: here the name, not a token, is unknown
                 raise APIError("not_found", f"no app {name!r}") from None
-            raise from_exception(_cause(e)) from None
+            raise
         return {"name": name, "deleted_contexts": len(ctxs)}
 
     # ---- contexts -----------------------------------------------------------------------------------
