@@ -24,11 +24,15 @@ test: venv
 serve: venv
 	$(BIN)/llmaas serve
 
-# Benchmarks, not tests: each writes its section of docs/benchmarks.md (about 12 minutes on 2 cores).
+# Benchmarks, not tests: each writes its section of docs/benchmarks.md. The reduced set of issue 6:
+# a Markov trace over 8 contexts of 1-2K tokens, the five policies, 30 calls each, max_tokens 8
+# (under 20 minutes on 2 cores); its results stay in docs/results/, its plot in docs/img/.
 bench: venv
 	$(BIN)/python -m bench.engine_speed --write docs/benchmarks.md
 	$(BIN)/python -m bench.storage_speed
-	$(BIN)/python -m bench.switching --calls 30 --contexts 8 --write docs/benchmarks.md
+	$(BIN)/python -m deploy.jobs.replay --pattern markov --contexts 8 --calls 30 --max-tokens 8 \
+		--policies lmk swap vllm-s vllm-sq llms --out docs/results/replay-markov-8ctx
+	$(BIN)/python -m bench.report docs/results/replay-markov-8ctx --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -308,6 +308,10 @@ class ExecutorActor:
         """Seconds one streamed object ref costs (measured at start)."""
         return self.per_ref_s
 
+    def flush(self) -> None:
+        """Wait for the last call's write-back (benchmarks wait here between calls, as an idle gap would)."""
+        self.ex.flush()
+
     def forget(self, ctx: str) -> None:
         self.ex.flush()  # the context's write-back must finish before it can be deleted
         if self.ex.ws_ctx == ctx:

@@ -44,15 +44,16 @@ def markov_order(n_ctx: int, calls: int, seed: int, decay: float = 0.5) -> list[
     return out
 
 
-def long_prompts(engine, n_ctx: int, seed: int) -> list[str]:
-    """Real text (the Python reference manual in the standard library), 1-2K tokens per context."""
+def long_prompts(engine, n_ctx: int, seed: int, tokens: tuple[int, int] = (1000, 1900)) -> list[str]:
+    """Real text (the Python reference manual in the standard library): per context whole passages
+    until at least a target drawn from [tokens[0], tokens[1]) tokens (default 1-2K) is reached."""
     from bench.passages import load_passages
 
     rng = np.random.default_rng(seed)
     texts = [p.text for fam in load_passages().values() for p in fam]
     out = []
     for i in range(n_ctx):
-        target = int(rng.integers(1000, 1900))
+        target = int(rng.integers(tokens[0], tokens[1]))
         start = int(rng.integers(0, len(texts)))
         buf, k = [], start
         while len(engine.tok.encode(" ".join(buf))) < target:
@@ -62,41 +63,84 @@ def long_prompts(engine, n_ctx: int, seed: int) -> list[str]:
     return out
 
 
-def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tmp):
+def quarter_q8_budget(engine, prompts: list[str]) -> tuple[int, int]:
+    """(pool bytes, prompt tokens): a KV pool holding a quarter of the contexts started with
+    `prompts` (one user turn each) at 8 bits, q8 bytes as stored with their scales."""
+    from engine.chat import Conversation
+    from storage.codecs import stored_nbytes
+
+    tokens = sum(len(engine.tok.user_turn_ids(Conversation(), p)) for p in prompts)
+    cfg = engine.model.cfg
+    q8_per_token = stored_nbytes("q8", (cfg.n_layers, 2, cfg.n_kv_heads, 16, cfg.head_dim)) / 16
+    return int(tokens * q8_per_token / 4), tokens
+
+
+def open_service(policy: str, engine, pool_bytes: int, throttle: float, use_ray: bool, data_dir: str,
+                 *, max_context_tokens: int = 4096, prefix: str = "bench"):
+    """A fresh service on `data_dir`: `LocalService` sharing `engine`'s model, or the Ray actors
+    (`ray` must be initialised). `throttle`: chunk read limit in bytes/s, 0 for none."""
     from actors.service import LocalService, ServiceConfig
 
-    cfg = ServiceConfig(data_dir=str(Path(tmp) / policy), policy=policy, pool_bytes=pool_bytes,
-                        max_context_tokens=4096, read_bytes_per_s=throttle)
+    cfg = ServiceConfig(data_dir=data_dir, policy=policy, pool_bytes=pool_bytes,
+                        max_context_tokens=max_context_tokens, read_bytes_per_s=throttle)
     if use_ray:
         from actors.ray_service import RayService
 
-        svc = RayService(cfg, prefix=f"bench-{policy}")
+        return RayService(cfg, prefix=f"{prefix}-{policy}")
+    return LocalService(cfg, engine=engine)
+
+
+def wait_idle(svc) -> None:
+    """Block until the service's background work (the last call's write-back, which also does the
+    ahead-of-time swap-out) has finished: what an idle gap of a real trace allows. Without it, the
+    pending write-back would be waited for inside the next call's `switch_ms` (DESIGN.md §1)."""
+    from actors.service import LocalService
+
+    if isinstance(svc, LocalService):
+        svc.executor.flush()
     else:
-        svc = LocalService(cfg, engine=engine)
+        import ray
+
+        ray.get(svc.executor.flush.remote())
+
+
+def close_service(svc) -> None:
+    from actors.service import LocalService
+
+    if isinstance(svc, LocalService):
+        svc.close()
+    else:
+        svc.shutdown()
+
+
+def outcome_dict(out) -> dict:
+    """A call's outcome as a plain dict: `LocalService` returns a `CallOutcome`, Ray its `asdict`."""
+    if isinstance(out, dict):
+        return out
+    from dataclasses import asdict
+
+    return asdict(out)
+
+
+def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tmp):
+    svc = open_service(policy, engine, pool_bytes, throttle, use_ray, str(Path(tmp) / policy))
     tok = svc.bind("bench")
     ctxs = []
     for p in prompts:
         c = svc.new_ctx(tok, None)
         svc.call(tok, c, p, max_tokens=1)
         ctxs.append(c)
-        if not use_ray:
-            svc.executor.flush()
+        wait_idle(svc)
     recs = []
     for k, c in enumerate(order):
         t = time.perf_counter()
-        out = svc.call(tok, ctxs[c], f"Question {k}: what is the main topic?", max_tokens=4)
+        out = outcome_dict(svc.call(tok, ctxs[c], f"Question {k}: what is the main topic?", max_tokens=4))
         e2e = time.perf_counter() - t
-        if not use_ray:
-            svc.executor.flush()  # the idle gap: background write-back finishes before the next call
-            out = {"switch_ms": out.switch_ms, "restore": {"loaded_bytes": out.restore.loaded_bytes,
-                   "recomputed": out.restore.recomputed, "loaded": out.restore.loaded,
-                   "resident": out.restore.resident}, "predicted_restore_ms": out.predicted_restore_ms}
+        wait_idle(svc)  # the idle gap: background write-back finishes before the next call
         recs.append({"ctx": c, "e2e_ms": e2e * 1000, **{k2: out[k2] for k2 in ("switch_ms", "predicted_restore_ms")},
-                     **{f"restore_{k2}": v for k2, v in out["restore"].items() if k2 != "timeline"}})
-    if use_ray:
-        svc.shutdown()
-    else:
-        svc.close()
+                     **{f"restore_{k2}": v for k2, v in out["restore"].items()
+                        if k2 not in ("timeline", "failed", "seconds")}})
+    close_service(svc)
     return recs
 
 
@@ -129,19 +173,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write per-call records and summaries as JSON")
     args = ap.parse_args(argv)
 
-    from engine.chat import Conversation
     from engine.config import EngineConfig
     from engine.context import ContextEngine
-    from storage.codecs import stored_nbytes
 
     engine = ContextEngine.load(None, EngineConfig(max_context_tokens=4096))
     prompts = long_prompts(engine, args.contexts, args.seed)
     order = markov_order(args.contexts, args.calls, args.seed)
-    # a pool holding about a quarter of the contexts at 8 bits (q8 bytes as stored, with scales)
-    tokens = sum(len(engine.tok.user_turn_ids(Conversation(), p)) for p in prompts)
-    q8_per_token = stored_nbytes("q8", (engine.model.cfg.n_layers, 2, engine.model.cfg.n_kv_heads, 16,
-                                        engine.model.cfg.head_dim)) / 16
-    pool = int(tokens * q8_per_token / 4)
+    pool, tokens = quarter_q8_budget(engine, prompts)
     print(f"{args.contexts} contexts, {tokens} tokens in all; pool {pool / 1e6:.1f} MB "
           f"(a quarter of them at q8); trace of {args.calls} Markov calls", file=sys.stderr)
     if args.ray:
