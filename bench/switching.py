@@ -124,6 +124,11 @@ def outcome_dict(out) -> dict:
 
 def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tmp):
     svc = open_service(policy, engine, pool_bytes, throttle, use_ray, str(Path(tmp) / policy))
+    per_ref_ms = 0.0
+    if use_ray:  # what one actor hop (a streamed object ref) costs, as the executor measured at start
+        import ray
+
+        per_ref_ms = ray.get(svc.executor.per_ref_cost.remote()) * 1000
     tok = svc.bind("bench")
     ctxs = []
     for p in prompts:
@@ -137,7 +142,13 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
         out = outcome_dict(svc.call(tok, ctxs[c], f"Question {k}: what is the main topic?", max_tokens=4))
         e2e = time.perf_counter() - t
         wait_idle(svc)  # the idle gap: background write-back finishes before the next call
-        recs.append({"ctx": c, "e2e_ms": e2e * 1000, **{k2: out[k2] for k2 in ("switch_ms", "predicted_restore_ms")},
+        r = out["restore"]
+        groups = next((n for what, n, *_ in r["timeline"] if what == "group_layers"), 0)
+        restored = bool(r["resident"] or r["loaded"] or r["recomputed"])
+        # actor hops inside switch_ms on Ray: begin_call, the restore, one ref per streamed layer group
+        hops = (2 + (-(-engine.model.cfg.n_layers // groups) if groups and r["loaded"] else 0)) if restored else 1
+        recs.append({"ctx": c, "e2e_ms": e2e * 1000, "per_ref_ms": per_ref_ms, "hops": hops if use_ray else 0,
+                     "group_layers": groups, **{k2: out[k2] for k2 in ("switch_ms", "predicted_restore_ms")},
                      **{f"restore_{k2}": v for k2, v in out["restore"].items()
                         if k2 not in ("timeline", "failed", "seconds")}})
     close_service(svc)
@@ -158,6 +169,8 @@ def summarise(recs):
         "loaded_mb": sum(r["restore_loaded_bytes"] for r in recs) / 1e6,
         "recomputed_chunks": sum(r["restore_recomputed"] for r in recs),
         "median_abs_ln_pred_err": err,
+        "per_ref_ms": recs[0]["per_ref_ms"] if recs else 0.0,
+        "mean_hops": statistics.mean(r["hops"] for r in recs) if recs else 0.0,
     }
 
 
@@ -195,7 +208,8 @@ def main(argv=None) -> int:
             s = results[pol]["summary"]
             print(f"{pol:>8}: mean switch {s['mean_switch_ms']:.1f} ms (median {s['median_switch_ms']:.1f}), "
                   f"{s['restores']} restores, {s['loaded_mb']:.0f} MB loaded, {s['recomputed_chunks']} chunks "
-                  f"recomputed ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+                  f"recomputed" + (f", {s['per_ref_ms']:.2f} ms per actor hop x {s['mean_hops']:.1f} hops per call"
+                                   if args.ray else "") + f" ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     mode = "Ray actors" if args.ray else "one process"
