@@ -129,7 +129,7 @@ class EngineConfig:
     overflow_keep_fraction: float = 0.75
     """On overflow keep the first chunk plus the newest chunks up to this fraction of the limit."""
     attention_block_rows: int = 0
-    """Query rows per attention block in prefill; 0 sizes blocks to keep scores under 32 MiB."""
+    """Query rows per attention block in prefill; 0 sizes blocks to keep scores near 4.5 MiB."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
 

@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
 
-SCORE_BUDGET_BYTES = 3 << 20  # attention scores per block in prefill: sized to stay in L2 (measured: 43 ms
-# per layer at 2048 tokens with 32-64 row blocks against 85 ms with 512-row blocks on this 2-core Xeon)
+SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-row blocks at 2048 tokens. Measured
+# on the 2-core Xeon (CPU time, single thread): 64-row blocks beat 32- and 48-row ones at 2048 tokens by 2-4%,
+# and under load from other processes fewer, larger blocks suffer less from OpenMP barrier waits; blocks of
+# hundreds of rows spill the 2 MiB L2 and cost more
 
 
 @dataclass(slots=True)
@@ -145,15 +147,19 @@ def rope_tables(cfg: ModelConfig, n_positions: int, device) -> tuple[torch.Tenso
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    r = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [n, 1]
+    return (xf * r).to(x.dtype).mul_(w)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [n, H, D]; cos, sin: [n, 1, D]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[n, H, D]` by `cos` `[n, 1, D]` and `sin_half` `[n, 1, D/2]` (the half-rotation
+    layout repeats its angles, so half the sine table is all of it). The same as
+    `x * cos + cat(-x2, x1) * sin` without materialising the rotated copy."""
     half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin_half, value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin_half)
+    return out
 
 
 class Transformer:
@@ -167,7 +173,7 @@ class Transformer:
         n_pos = max(cfg.max_positions, self.engine_cfg.max_context_tokens)
         cos, sin = rope_tables(cfg, n_pos, self.device)
         self.cos = cos.to(self.dtype)  # [P, D]
-        self.sin = sin.to(self.dtype)  # [P, D]
+        self.sin_half = sin[:, : cfg.head_dim // 2].to(self.dtype).contiguous()  # [P, D/2]; both halves equal
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.forward_rows = 0
         """Query rows computed by `forward` (prefill and decode), a counter for tests and metrics."""
@@ -291,16 +297,17 @@ class Transformer:
 
     # ---- one layer -------------------------------------------------------------------------------
     def _layer(self, layer, x, pos, cache, *, contiguous, density, sdpa):
+        """One decoder layer over rows `x` `[n, hidden]`; returns the new rows, updating `x` in place
+        (callers pass hidden states they own)."""
         cfg, w = self.cfg, self.w.layers[layer]
         n = x.shape[0]
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
         qkv = F.linear(h, w.wqkv, w.bqkv)  # [n, (Hq + 2 Hkv) D]
-        v = qkv[:, (hq + hkv) * d :]
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [n, 1, D]
-        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)  # [n, Hq + Hkv, D]
+        v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        cos, sin_half = self.cos[pos].unsqueeze(1), self.sin_half[pos].unsqueeze(1)  # [n, 1, D], [n, 1, D/2]
+        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin_half)  # [n, Hq + Hkv, D]
         q, k = qk[:, :hq], qk[:, hq:]  # [n, Hq, D], [n, Hkv, D]
-        v = v.view(n, hkv, d)
         if contiguous:
             s = int(pos[0])
             cache.k[layer, :, s : s + n] = k.transpose(0, 1)
@@ -312,48 +319,67 @@ class Transformer:
             attn = self._attend_sdpa(layer, q, pos, cache)
         else:
             attn = self._attend(layer, q, pos, cache, density)
-        x = x + F.linear(attn, w.wo, w.bo)
+        # residual adds folded into the GEMMs (beta = 1), SiLU and the gate product in place: fewer
+        # passes over [n, I] activations and fewer fresh allocations
+        if w.bo is None:
+            x.addmm_(attn, w.wo.t())
+        else:
+            x.add_(F.linear(attn, w.wo, w.bo))
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [n, I] each
-        return x + F.linear(F.silu(gate) * up, w.w_down)
+        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
+        return x.addmm_(F.silu(gate, inplace=True).mul_(up), w.w_down.t())
 
     def _attend(self, layer, q, pos, cache, density) -> torch.Tensor:
         """Attention of rows `q` `[n, Hq, D]` at ascending positions `pos` over the cache; `[n, Hq D]`.
 
-        Query rows are processed in blocks small enough for the scores to stay in L2. Within a block,
-        keys before the block's first position are visible to every row, so only the columns from there
-        on need a mask; for prefill that is a `b x b` triangle.
+        Query rows are processed in blocks of about `SCORE_BUDGET_BYTES` of scores, through two buffers
+        reused by every block (fresh multi-MiB tensors per block cost page faults). Within a
+        block, keys before the block's first position are visible to every row, so only the columns from
+        there on need a mask; for prefill that is a `b x b` triangle. With `density`, the column sums of
+        the probabilities are accumulated per KV head with one GEMV per block and added once per layer.
         """
         cfg = self.cfg
         n, hkv, g, d = q.shape[0], cfg.n_kv_heads, cfg.group, cfg.head_dim
-        qg = (q * self.scale).view(n, hkv, g, d).transpose(0, 1).contiguous()  # [Hkv, n, G, D]
+        dev = q.device
+        qg = (q * self.scale).view(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d)  # [Hkv, n G, D]
         s_all = int(pos[-1]) + 1
         keys = cache.k[layer, :, :s_all]  # [Hkv, S, D]
         vals = cache.v[layer, :, :s_all]  # [Hkv, S, D]
         rows = self.engine_cfg.attention_block_rows or max(16, SCORE_BUDGET_BYTES // (4 * cfg.n_heads * s_all))
-        out = torch.empty(hkv, n, g, d, device=q.device, dtype=q.dtype)  # [Hkv, n, G, D]
+        rows = -(-n // -(-n // rows))  # equal blocks: no short last block
+        out = torch.empty(hkv, n * g, d, device=dev, dtype=q.dtype)  # [Hkv, n G, D], rows ordered (n, G)
+        size = hkv * min(n, rows) * g * s_all
+        s_buf = torch.empty(size, device=dev, dtype=q.dtype)
+        p_buf = torch.empty(size, device=dev, dtype=torch.float32)
+        if density is not None:
+            col = torch.zeros(hkv, 1, s_all, device=dev, dtype=torch.float32)  # [Hkv, 1, S]
+            ones = torch.ones(hkv, 1, min(n, rows) * g, device=dev, dtype=torch.float32)
         pos_list = pos.tolist()
+        prefill = pos_list[-1] - pos_list[0] == n - 1  # contiguous rows: every block's mask is one triangle
+        tri = None
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             b = r1 - r0
             p0, sb = pos_list[r0], pos_list[r1 - 1] + 1
-            qb = qg[:, r0:r1].reshape(hkv, b * g, d)  # [Hkv, b G, D], rows ordered (b, g)
-            scores = torch.bmm(qb, keys[:, :sb].transpose(1, 2))  # [Hkv, b G, Sb]
+            m = hkv * b * g * sb
+            scores = s_buf[:m].view(hkv, b * g, sb)  # [Hkv, b G, Sb]
+            torch.bmm(qg[:, r0 * g : r1 * g], keys[:, :sb].transpose(1, 2), out=scores)
             if b > 1:
-                kpos = torch.arange(p0, sb, device=q.device)
-                masked = kpos.unsqueeze(0) > pos[r0:r1].unsqueeze(1)  # [b, Sb - p0]
-                tail = scores.view(hkv, b, g, sb)[..., p0:]  # [Hkv, b, G, Sb - p0]
-                tail.masked_fill_(masked.unsqueeze(1), float("-inf"))
-            # softmax without normalising the probabilities themselves: the output and the density
-            # are scaled by 1/rowsum afterwards (two passes fewer over the scores than softmax + sum)
-            e = scores.float()
-            e.sub_(e.amax(dim=-1, keepdim=True)).exp_()  # [Hkv, b G, Sb], unnormalised
-            inv = e.sum(dim=-1, keepdim=True).reciprocal_()  # [Hkv, b G, 1]
+                if not prefill:
+                    kpos = torch.arange(p0, sb, device=dev)
+                    masked = (kpos.unsqueeze(0) > pos[r0:r1].unsqueeze(1)).unsqueeze(1)  # [b, 1, Sb - p0]
+                elif tri is None or tri.shape[0] != b:
+                    tri = masked = torch.ones(b, b, dtype=torch.bool, device=dev).triu_(1).unsqueeze(1)
+                else:
+                    masked = tri
+                scores.view(hkv, b, g, sb)[..., p0:].masked_fill_(masked, float("-inf"))
+            probs = torch.softmax(scores, -1, dtype=torch.float32, out=p_buf[:m].view(hkv, b * g, sb))
             if density is not None:
-                density[:sb] += torch.bmm(inv.transpose(1, 2), e).sum(dim=(0, 1))  # column sums of P
-            ob = torch.bmm(e.to(vals.dtype), vals[:, :sb]).mul_(inv.to(vals.dtype))  # [Hkv, b G, D]
-            out[:, r0:r1] = ob.view(hkv, b, g, d)
-        return out.transpose(0, 1).reshape(n, cfg.n_heads * d)
+                col[..., :sb] += torch.bmm(ones[..., : b * g], probs)  # column sums of P, per KV head
+            torch.bmm(probs.to(vals.dtype), vals[:, :sb], out=out[:, r0 * g : r1 * g])
+        if density is not None:
+            density[:s_all] += col.sum(dim=(0, 1))
+        return out.view(hkv, n, g, d).transpose(0, 1).reshape(n, cfg.n_heads * d)
 
     def _attend_sdpa(self, layer, q, pos, cache) -> torch.Tensor:
         cfg = self.cfg
