@@ -192,6 +192,8 @@ class RayRestorer:
         from scheduler.pipeline import layer_group_size
         from storage import codecs
 
+        if not plan.recompute:  # nothing to overlap the reads with: one group, one hand-over
+            return self.cfg.n_layers
         nbytes = sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
         return layer_group_size(self.cfg.n_layers, self.per_ref_s, self.read_rate.s_per_byte, nbytes)
 
