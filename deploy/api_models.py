@@ -172,6 +172,8 @@ def reconcile(stored: list[dict], messages: list[Message]) -> Reconciled:
     match) is a conflict (409). What is new must be exactly one user turn."""
     msgs = [(m.role, m.content) for m in messages]
     have = [(t["role"], t["text"]) for t in stored]
+    if have and have[0][0] == "system" and msgs and msgs[0][0] != "system":
+        have = have[1:]  # the system prompt was set when the context was made; clients may leave it out
     if len(msgs) > len(have) and _same(msgs[: len(have)], have):
         new = msgs[len(have):]
     elif all(r == "user" for r, _ in msgs):

@@ -86,8 +86,7 @@ def wait_for(fn, timeout: float, what: str):
 def test_every_dashboard_query_returns_data(server, prometheus):
     roles = {"ingress", "executor", "governor", "io"}
     wait_for(lambda: roles <= {s["metric"]["role"] for s in query(prometheus, 'up{job="llmaas"} == 1')},
-             60, "Prometheus to scrape every role")
-    time.sleep(1.5)  # one more scrape: the baseline before the workload
+             60, "Prometheus to scrape every role")  # the baseline: every series scraped once, at 0
     # a short workload: contexts that do not all fit the 2 MiB pool, so chunks are swapped and restored
     app = Client(server.url, Client(server.url, server.admin).bind("metrics-tests"))
     ctxs = [app.new_ctx("You are terse.") for _ in range(4)]
@@ -96,7 +95,8 @@ def test_every_dashboard_query_returns_data(server, prometheus):
         for c in ctxs:
             app.call(c, text if r == 0 else "And in three words?", max_tokens=6)
     requests.get(server.url + "/v1/contexts/" + "0" * 32, headers={"Authorization": f"Bearer {app.token}"})
-    time.sleep(3)  # three scrapes after the workload
+    wait_for(lambda: [s for s in query(prometheus, "sum(llmaas_calls_total) >= 8")], 30,
+             "a scrape after the workload")
 
     dash = json.loads((ROOT / "dashboards" / "llmaas.json").read_text())
     exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
