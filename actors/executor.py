@@ -251,6 +251,12 @@ class ModelExecutor:
                         raise CallTimeoutError("the call ran past its deadline; its turn was rolled back")
                     yield delta
                 r = stream.result
+                if ectx.cache is not self.ws:  # an overflow re-prefilled into a new cache: take it over
+                    n = ectx.cache.length
+                    self.ws.truncate(0)
+                    self.ws.reserve(n)
+                    self.ws.kv[:, :, :, :n].copy_(ectx.cache.kv[:, :, :, :n])
+                    ectx.cache = self.ws
                 first_modified = 0 if ectx.overflows != old_overflows else old_kv // self.chunk
                 todo = self._commit(plan, ectx, first_modified, restored=list(plan.recompute))
             except BaseException:

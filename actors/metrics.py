@@ -92,7 +92,7 @@ def register_target(data_dir: str, role: str, port: int) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     for old in d.glob("*.json"):
         pid = old.stem.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             old.unlink(missing_ok=True)
     path = d / f"{role}-{os.getpid()}.json"
     tmp = path.with_suffix(".tmp")
@@ -101,7 +101,8 @@ def register_target(data_dir: str, role: str, port: int) -> Path:
     return path
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (on this node)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

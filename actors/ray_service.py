@@ -247,7 +247,7 @@ class ExecutorActor:
         engine.fingerprint = fingerprint
         # a new segment per executor process: a restarted executor never shares a stale one
         shm_name = f"{prefix}-ws-{os.getpid()}"
-        _unlink_stale_segments()
+        _unlink_stale_segments(prefix)
         self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True)
         ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
         from scheduler.pipeline import CostProfile, ReadRate
@@ -404,19 +404,15 @@ def model_name(resolved) -> str:
     return src.stem if src.suffix == ".gguf" else src.name
 
 
-def _unlink_stale_segments() -> None:
-    """Remove working-set segments left by executors that died without closing them (their name ends
-    in the dead process's id); a segment of a live process is left alone."""
+def _unlink_stale_segments(prefix: str) -> None:
+    """Remove working-set segments (`<prefix>-ws-<pid>`) left by executors that died without closing
+    them: this service's prefix, or any `llmaas*` one; a segment of a live process is left alone."""
+    from actors.metrics import pid_alive
+
     for seg in Path("/dev/shm").glob("*-ws-*"):
-        pid = seg.name.rsplit("-", 1)[-1]
-        if not seg.name.startswith("llmaas") or not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        owner, _, pid = seg.name.rpartition("-ws-")
+        if pid.isdigit() and (owner == prefix or owner.startswith("llmaas")) and not pid_alive(int(pid)):
             seg.unlink(missing_ok=True)
-        except PermissionError:
-            pass
 
 
 def _store_cfg(c: ServiceConfig):

@@ -157,3 +157,28 @@ def test_lossy_policies_stay_within_perplexity_bound(policy, small_engine, texts
     print(f"{policy}: perplexity ratio to exact KV {ratio:.4f} (exact ppl {math.exp(exact / n):.2f})")
     assert ratio <= LOSSY[policy]
     svc.close()
+
+
+def test_overflow_inside_the_service_keeps_kv_and_density_consistent(small_engine, tmp_path):
+    """A context that passes its limit is cut back inside a call (a new, shorter sequence): the
+    executor's working set must take over the re-prefilled K/V, so that later calls (working set hit,
+    and restore after a switch) continue exactly as the plain engine does."""
+    limit = 160
+    ref_engine = ContextEngine(small_engine.model, small_engine.tok, EngineConfig(max_context_tokens=limit))
+    svc = LocalService(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=64 << 20,
+                                     max_context_tokens=limit, profile=PROFILE), engine=small_engine)
+    tok = svc.bind("app")
+    ctx, other = svc.new_ctx(tok, "Be brief."), svc.new_ctx(tok, "Be brief.")
+    ref = ref_engine.new_ctx("Be brief.")
+    prompts = ["Tell me about rivers and lakes in a few words.", "And mountains?", "What about deserts?",
+               "And the oceans of the world?", "Forests?", "Name one more landscape.", "Which is coldest?",
+               "Which is wettest?", "Thanks, bye."]  # the sixth call overflows 160 tokens
+    got, want = [], []
+    for k, p in enumerate(prompts):
+        got.append(svc.call(tok, ctx, p, max_tokens=12).token_ids)
+        want.append(ref_engine.call(ref, p, max_tokens=12).token_ids)
+        if k == 6:
+            svc.call(tok, other, "Hello.", max_tokens=4)  # the next call must restore ctx
+    assert ref.overflows >= 1  # the workload really passed the limit (first at the sixth call)
+    assert got == want
+    svc.close()
