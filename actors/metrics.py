@@ -63,15 +63,17 @@ class Metrics:
         return self.port
 
 
-OUTCOMES = ("hit", "resident", "swap", "recompute", "error")
+SWITCH_OUTCOMES = ("hit", "resident", "swap", "recompute")
+"""The outcomes `switch_outcome` names; calls may also end in `error`."""
+OUTCOMES = SWITCH_OUTCOMES + ("error",)
 
 
 def init_executor_series(m: Metrics, policy: str) -> None:
     """Create the executor's labelled series at zero, so that rates exist before the first event."""
     for o in OUTCOMES:
         m.calls.labels(policy, o)
-        if o != "error":
-            m.switch.labels(policy, o)
+    for o in SWITCH_OUTCOMES:
+        m.switch.labels(policy, o)
     m.ttft.labels(policy)
     m.tokens.labels(policy)
     m.decode_seconds.labels(policy)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.metrics import switch_outcome
+from actors.metrics import SWITCH_OUTCOMES, switch_outcome
 from bench.switching import (
     POLICIES,
     close_service,
@@ -44,7 +44,6 @@ from bench.switching import (
 from bench.traces import Trace, TraceRecord
 
 SUMMARY_FORMAT, SUMMARY_VERSION = "llmaas-replay", 1  # summary.json's "format" and "version"
-OUTCOMES = ("hit", "resident", "swap", "recompute")  # actors.metrics.switch_outcome's names
 CALLS_CSV, SUMMARY_JSON, TRACE_JSONL = "calls.csv", "summary.json", "trace.jsonl"  # file names in a results dir
 
 
@@ -237,7 +236,7 @@ def summarise(records: Sequence[CallRecord]) -> dict:
         "mean_restore_switch_ms": statistics.mean(r.switch_ms for r in restores) if restores else None,
         "mean_e2e_ms": statistics.mean(r.e2e_ms for r in records),
         "mean_ttft_ms": statistics.mean(r.ttft_ms for r in records),
-        "outcomes": {o: sum(r.outcome == o for r in records) for o in OUTCOMES},
+        "outcomes": {o: sum(r.outcome == o for r in records) for o in SWITCH_OUTCOMES},
         "loaded_mb": sum(r.loaded_bytes for r in records) / 1e6,
         "recomputed_chunks": sum(r.recomputed_chunks for r in records),
         "restore_pred_error": (statistics.median(abs(math.log(m / p)) for p, m in pairs) if pairs else None),

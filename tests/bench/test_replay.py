@@ -10,10 +10,10 @@ import statistics
 
 import pytest
 
+from actors.metrics import SWITCH_OUTCOMES
 from bench.replay import (
     CALLS_CSV,
     CSV_FIELDS,
-    OUTCOMES,
     SUMMARY_JSON,
     ReplayConfig,
     replay,
@@ -109,7 +109,7 @@ def test_tiny_replay_writes_one_csv_row_per_call_per_policy(results_dir):
         assert [int(r["context"]) for r in mine] == [c.context_id for c in trace.records]
     assert all(float(r["switch_ms"]) > 0 for r in rows)
     assert all(float(r["e2e_ms"]) >= float(r["switch_ms"]) for r in rows)
-    assert {r["outcome"] for r in rows} <= set(OUTCOMES)
+    assert {r["outcome"] for r in rows} <= set(SWITCH_OUTCOMES)
     assert all(1 <= int(r["completion_tokens"]) <= 2 for r in rows)
     # the budget holds a quarter of the contexts: swap must read chunk files back at least once
     assert sum(int(r["loaded_bytes"]) for r in rows if r["policy"] == "swap") > 0
