@@ -237,8 +237,8 @@ class MemoryGovernor:
             resident=resident,
             load=[(i, book.chunks[i].level, book.chunks[i].file) for i in plan.load],
             recompute=list(plan.recompute),
-            # the pipeline (Eq. 4) plus decoding the resident chunks, at the profiled per-byte cost
-            predicted_s=plan.predicted + self.profile.io.slope * sum(book.chunks[i].nbytes for i, _, _ in resident),
+            # the pipeline (Eq. 4) plus de-quantizing the resident chunks, decoded before it starts
+            predicted_s=plan.predicted + self.profile.decode(level for _, level, _ in resident),
             evicted_for_restore=evicted,
             wrote_on_demand=wrote,
         )

@@ -1,6 +1,7 @@
 """The one-shot profiling run behind the pipeline planner (LLMS §3.3 i): measure what recomputing x
-chunks and reading-and-decoding m bytes of chunk files cost on this machine, fit the linear models
-T_re(x) and T_io(m), and cache the profile per machine, model and storage throttle.
+chunks, reading m bytes of chunk files and de-quantizing k chunks cost on this machine, fit the
+linear models T_re(x), T_io(m) and T_dec(k, m), and cache the profile per machine, model and storage
+throttle.
 
 It runs in a scratch directory with a throwaway context of real K/V, takes a few seconds, and is
 reused on later starts (`llmaas profile` runs it again). Tests inject a profile instead.
@@ -22,7 +23,7 @@ from storage.chunkfile import ChunkStore, ChunkStoreConfig
 
 PROFILE_TOKENS = 1024
 RECOMPUTE_POINTS = (1, 2, 4, 8)
-IO_LEVELS = ("q2", "q4", "q8", "raw")
+IO_LEVELS = ("q2", "q4", "q8", "fp16", "raw")
 
 
 def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKENS, progress: bool = True) -> CostProfile:
@@ -43,30 +44,40 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
         rec.append((x, time.perf_counter() - t))
         if progress:
             print(f"llmaas profile: recompute {x} chunks {rec[-1][1] * 1000:.0f} ms", file=sys.stderr)
-    io = []
+    io, dec = [], []
     dtype = {4: "float32", 2: "bfloat16"}.get(cache.kv.element_size(), "float32")
+    kv = cache.kv.numpy() if cache.device.type == "cpu" else None
+
+    def decode(encs) -> None:
+        for i, enc in enumerate(encs):
+            s, e = cache.chunk_range(i)
+            if kv is not None:
+                codecs.decode(enc, out=kv[:, :, :, s:e])
+            else:
+                codecs.decode(enc)
+
     with tempfile.TemporaryDirectory() as tmp:
         store = ChunkStore(tmp, ChunkStoreConfig(read_bytes_per_s=read_bytes_per_s, fsync=False), fingerprint="profile")
-        kv = cache.kv.numpy() if cache.device.type == "cpu" else None
         for level in IO_LEVELS:
             key = f"{abs(hash(level)) & 0xFFFFFFFF:08x}"
-            nchunks = min(n, 32)
-            encs = [codecs.encode(cache.export_chunk(i), level, dtype=dtype) for i in range(nchunks)]
-            nbytes = sum(store.write(key, i, e, i * c).nbytes for i, e in enumerate(encs))
-            t = time.perf_counter()
-            store.prefetch(key, range(nchunks))
-            for i in range(nchunks):
-                enc = store.read(key, i)
-                s, e = cache.chunk_range(i)
-                if kv is not None:
-                    codecs.decode(enc, out=kv[:, :, :, s:e])
-                else:
-                    codecs.decode(enc)
-            io.append((nbytes, time.perf_counter() - t))
+            encs = [codecs.encode(cache.export_chunk(i), level, dtype=dtype) for i in range(min(n, 32))]
+            sizes = [store.write(key, i, e, i * c).nbytes for i, e in enumerate(encs)]
+            for k in (8, len(encs)):  # two counts per level: chunks and bytes vary independently
+                t = time.perf_counter()
+                store.prefetch(key, range(k))
+                for i in range(k):
+                    store.read(key, i)
+                io.append((sum(sizes[:k]), time.perf_counter() - t))
+                times = []
+                for _ in range(3):
+                    t = time.perf_counter()
+                    decode(encs[:k])
+                    times.append(time.perf_counter() - t)
+                dec.append((level, k, sorted(times)[1]))
             if progress:
-                print(f"llmaas profile: read+decode {nbytes / 1e6:.1f} MB at {level} "
-                      f"{io[-1][1] * 1000:.0f} ms", file=sys.stderr)
-    return CostProfile.fit(rec, io)
+                print(f"llmaas profile: {len(encs)} chunks at {level}: read {sum(sizes) / 1e6:.1f} MB "
+                      f"{io[-1][1] * 1000:.1f} ms, de-quantize {dec[-1][2] * 1000:.1f} ms", file=sys.stderr)
+    return CostProfile.fit(rec, io, dec)
 
 
 def load_or_measure(model, fingerprint: str, *, read_bytes_per_s: float = 0.0, refresh: bool = False,
@@ -75,8 +86,10 @@ def load_or_measure(model, fingerprint: str, *, read_bytes_per_s: float = 0.0, r
     import torch
 
     cache = ProfileCache(root or cache_root() / "profiles")
-    # the thread count is part of the identity: a 1-thread recompute worker costs twice a 2-thread one
-    key = ProfileKey.local(f"{fingerprint}-t{torch.get_num_threads()}", read_bytes_per_s)
+    # the thread count is part of the identity: a 1-thread recompute worker costs twice a 2-thread one;
+    # so is the chunk size: T_re counts chunks and T_dec costs a chunk
+    key = ProfileKey.local(f"{fingerprint}-t{torch.get_num_threads()}-c{model.engine_cfg.chunk_tokens}",
+                           read_bytes_per_s)
     prof = None if refresh else cache.get(key)
     if prof is None:
         prof = measure(model, read_bytes_per_s=read_bytes_per_s, progress=progress)

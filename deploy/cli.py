@@ -203,7 +203,9 @@ def cmd_profile(args) -> int:
     prof = load_or_measure(engine.model, engine.fingerprint, read_bytes_per_s=args.throttle_mbps * 1e6, refresh=True)
     print(f"T_re(x) = {prof.recompute.intercept * 1000:.2f} ms + {prof.recompute.slope * 1000:.2f} ms/chunk")
     print(f"T_io(m) = {prof.io.intercept * 1000:.2f} ms + {prof.io.slope * 1e9:.3f} ms/MB "
-          f"({1 / max(prof.io.slope, 1e-12) / 1e6:.0f} MB/s read+decode)")
+          f"({1 / max(prof.io.slope, 1e-12) / 1e6:.0f} MB/s read)")
+    per = ", ".join(f"{lv} {v * 1000:.3f}" for lv, v in prof.decode.per_level)
+    print(f"T_dec = ms per chunk de-quantized into the compute dtype: {per}")
     return 0
 
 

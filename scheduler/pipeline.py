@@ -11,18 +11,27 @@ for ``x`` chunks and ``T_io(m) = c + d*m`` seconds for ``m`` bytes as stored on 
 costs nothing: ``T(0) = 0`` (the intercept is the fixed cost of starting a side of the pipeline,
 not paid when that side is idle). Fits are non-negative least squares, so both are non-decreasing.
 
+The paper's T_io counts reading only. Here every chunk read, and every resident chunk, must also be
+de-quantized into the compute dtype before the switch ends (DESIGN.md §1), and that cost goes by
+the chunk more than by the byte: its output is a whole chunk of float32 K/V whatever the level
+(measured, 2 cores, SmolLM2-135M: 0.14 ms a raw chunk, 0.21 q8, 0.24 q4, 0.29 q2, while the
+stored bytes shrink 8x from raw to q2). So the profile also measures ``T_dec``, a cost per chunk
+for each level; the loading side of Eq. 4 is ``T_io(bytes) + T_dec(chunks loaded)`` and a restore's
+predicted time adds ``T_dec`` of its resident chunks (decoded before the pipeline starts).
+
 Planning (§3.4 ii: recompute the heaviest, least-compressed chunks first). Chunks whose file is
 missing or corrupt are always recomputed (``must_recompute``: the Fault primitive). The others are
-sorted by stored bytes, largest first (ties: heavier level, then chunk index), and ``x = 0..n`` is
+sorted by what loading each one costs, ``d*nbytes + T_dec(its level)`` (with no decode costs:
+by stored bytes), largest first (ties: heavier level, then chunk index), and ``x = 0..n`` is
 scanned: recompute the first ``x``, load the rest. Because ``T_re`` depends only on the count and
-``T_io`` is non-decreasing in bytes, for every count the largest chunks are the best ones to
-recompute, so this scan is optimal over *all* subsets, not only for that order. Ties between
+the loading side is a fixed cost plus a sum over the loaded chunks, for every count the dearest
+chunks to load are the best ones to recompute, so this scan is optimal over *all* subsets, not
+only for that order. Ties between
 counts go to the smaller ``x`` (less CPU taken from the model). With ``allow_recompute=False``
 (pipeline off: ``llms-no-pipeline`` and the swap baselines) everything with a file is loaded.
 
 Deliberately not modelled: recompute of a late chunk attends to more tokens than an early one
-(``T_re`` is linear in the count only, as in the paper), and de-quantization time (it scales with
-the chunks loaded and is folded into ``T_io`` when the profile measures read + decode).
+(``T_re`` is linear in the count only, as in the paper).
 
 :class:`ProfileCache` keeps fitted profiles as JSON files keyed by machine (hostname and CPU count),
 model fingerprint and storage throttle; the caller runs the profiling and passes measured points.
@@ -54,7 +63,8 @@ from scheduler import levels as L
 from scheduler.keys import count
 
 #: format version of serialised profiles; a cache file of another version is a miss
-PROFILE_VERSION = 1
+#: (2: T_io is reading only, plus the de-quantization model T_dec)
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,26 +115,77 @@ def fit_linear(points: Iterable[Sequence[float]], what: str = "cost") -> LinearC
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeCost:
+    """``T_dec`` = the sum over chunks of a per-level cost: de-quantizing one chunk into the compute
+    dtype (seconds). No intercept: decoding is per chunk, there is nothing to start."""
+
+    per_level: tuple[tuple[str, float], ...] = ()  # (level, seconds per chunk), each >= 0
+
+    def __post_init__(self) -> None:
+        for level, v in self.per_level:
+            L.check_level(level)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"decode cost of {level} must be finite and >= 0, got {v!r}")
+
+    def chunk(self, level: str) -> float:
+        """Seconds to de-quantize one chunk stored at ``level``; a level the profile did not
+        measure costs as much as the dearest one measured (0 with no measurements)."""
+        for lv, v in self.per_level:
+            if lv == level:
+                return v
+        return max((v for _, v in self.per_level), default=0.0)
+
+    def __call__(self, levels: Iterable[str]) -> float:
+        return sum(self.chunk(lv) for lv in levels)
+
+
+def fit_decode(points: Iterable[Sequence]) -> DecodeCost:
+    """Per-level cost per chunk from ``(level, chunks, seconds)`` points: least squares through
+    the origin, ``sum(k*y) / sum(k*k)`` over each level's points."""
+    acc: dict[str, list[float]] = {}
+    for level, k, y in points:
+        L.check_level(level)
+        k, y = float(k), float(y)
+        if not (math.isfinite(k) and math.isfinite(y) and k > 0 and y >= 0):
+            raise ValueError(f"decode points must be (level, chunks > 0, seconds >= 0), got {(level, k, y)}")
+        a = acc.setdefault(level, [0.0, 0.0])
+        a[0] += k * y
+        a[1] += k * k
+    return DecodeCost(tuple((lv, ky / kk) for lv, (ky, kk) in sorted(acc.items())))
+
+
+@dataclass(frozen=True, slots=True)
 class CostProfile:
     """Fitted pipeline cost models of one machine, model and storage throttle."""
 
     recompute: LinearCost  # T_re(x): seconds to recompute x chunks
-    io: LinearCost  # T_io(m): seconds to read (and decode) m bytes as stored on disk
+    io: LinearCost  # T_io(m): seconds to read m bytes as stored on disk
     recompute_points: tuple[tuple[float, float], ...] = ()  # measured (chunks, seconds)
     io_points: tuple[tuple[float, float], ...] = ()  # measured (bytes, seconds)
+    decode: DecodeCost = DecodeCost()  # T_dec: seconds to de-quantize chunks, by level
+    decode_points: tuple[tuple[str, float, float], ...] = ()  # measured (level, chunks, seconds)
 
     @classmethod
-    def fit(cls, recompute_points: Iterable[Sequence[float]],
-            io_points: Iterable[Sequence[float]]) -> CostProfile:
-        """Fit both models from measured points (see :func:`fit_linear`)."""
+    def fit(cls, recompute_points: Iterable[Sequence[float]], io_points: Iterable[Sequence[float]],
+            decode_points: Iterable[Sequence[float]] = ()) -> CostProfile:
+        """Fit the models from measured points (see :func:`fit_linear`, :func:`fit_decode`); no
+        decode points: de-quantization is taken as free (or folded into ``io_points``)."""
         rp, ip = _points(recompute_points, "recompute"), _points(io_points, "io")
-        return cls(fit_linear(rp, "recompute"), fit_linear(ip, "io"), rp, ip)
+        dp = tuple((str(lv), float(k), float(y)) for lv, k, y in decode_points)
+        dec = fit_decode(dp)
+        return cls(fit_linear(rp, "recompute"), fit_linear(ip, "io"), rp, ip, dec, dp)
+
+    def load_cost(self, chunks: Iterable[MissingChunk]) -> float:
+        """The loading side of Eq. 4: read ``chunks`` and de-quantize them."""
+        chunks = list(chunks)
+        return self.io(sum(c.nbytes for c in chunks)) + self.decode(c.level for c in chunks)
 
     def to_json(self) -> str:
         return json.dumps({
             "version": PROFILE_VERSION,
             "recompute": {**asdict(self.recompute), "points": self.recompute_points},
             "io": {**asdict(self.io), "points": self.io_points},
+            "decode": {"per_level": dict(self.decode.per_level), "points": self.decode_points},
         }, sort_keys=True)
 
     @classmethod
@@ -140,9 +201,12 @@ class CostProfile:
                 d = doc[side]
                 pts = tuple((float(x), float(y)) for x, y in d["points"])
                 parts[side] = (LinearCost(float(d["intercept"]), float(d["slope"])), pts)
+            d = doc["decode"]
+            dec = DecodeCost(tuple((str(lv), float(v)) for lv, v in sorted(d["per_level"].items())))
+            dpts = tuple((str(lv), float(k), float(y)) for lv, k, y in d["points"])
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed cost profile: {e}") from e
-        return cls(parts["recompute"][0], parts["io"][0], parts["recompute"][1], parts["io"][1])
+        return cls(parts["recompute"][0], parts["io"][0], parts["recompute"][1], parts["io"][1], dec, dpts)
 
 
 def machine_id() -> str:
@@ -230,7 +294,7 @@ class RestorePlan:
     recompute: tuple[int, ...]  # chunk indices to recompute from token ids, ascending
     load_bytes: int  # bytes read, as stored; bytes
     t_recompute: float  # predicted T_re(len(recompute)), seconds
-    t_io: float  # predicted T_io(load_bytes), seconds
+    t_io: float  # predicted T_io(load_bytes) + T_dec(loaded chunks), seconds
     predicted: float  # predicted pipeline delay max(t_recompute, t_io), seconds
     forced: int  # how many of ``recompute`` had no usable file (must_recompute)
 
@@ -250,19 +314,23 @@ def plan_restore(missing: Sequence[MissingChunk], profile: CostProfile, *,
     if not forced <= by_index.keys():
         raise ValueError(f"must_recompute names chunks that are not missing: "
                          f"{sorted(forced - by_index.keys())}")
+    d = profile.io.slope
     optional = sorted((c for i, c in by_index.items() if i not in forced),
-                      key=lambda c: (-c.nbytes, -L.rank(c.level), c.index))
+                      key=lambda c: (-(d * c.nbytes + profile.decode.chunk(c.level)), -c.nbytes,
+                                     -L.rank(c.level), c.index))
     sizes = np.array([c.nbytes for c in optional], dtype=np.float64)
-    # xs[j] = j optional chunks recomputed (the j largest); loaded bytes shrink as j grows
+    decs = np.array([profile.decode.chunk(c.level) for c in optional], dtype=np.float64)
+    # xs[j] = j optional chunks recomputed (the j dearest to load); what is loaded shrinks as j grows
     xs = np.arange(len(optional) + 1) if allow_recompute else np.zeros(1, dtype=np.int64)
     left = sizes.sum() - np.concatenate([[0.0], np.cumsum(sizes)])[xs]
+    left_dec = decs.sum() - np.concatenate([[0.0], np.cumsum(decs)])[xs]
     t_re = profile.recompute.many(xs + len(forced))
-    t_io = profile.io.many(left)
+    t_io = np.where(len(optional) - xs > 0, profile.io.many(left) + left_dec, 0.0)
     x = int(xs[int(np.argmin(np.maximum(t_re, t_io)))])  # first minimum: fewest recomputed
     recompute = sorted(forced | {c.index for c in optional[:x]})
     load = sorted(c.index for c in optional[x:])
     load_bytes = sum(by_index[i].nbytes for i in load)
-    t_r, t_i = profile.recompute(len(recompute)), profile.io(load_bytes)
+    t_r, t_i = profile.recompute(len(recompute)), profile.load_cost(by_index[i] for i in load)
     return RestorePlan(tuple(load), tuple(recompute), load_bytes, t_r, t_i, max(t_r, t_i),
                        len(forced))
 

@@ -14,15 +14,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.pipeline import (PROFILE_VERSION, CostProfile, LinearCost, MissingChunk, ProfileCache,
-                                ProfileKey, RestoreLog, fit_linear, machine_id, plan_restore)
+from scheduler.pipeline import (PROFILE_VERSION, CostProfile, DecodeCost, LinearCost, MissingChunk,
+                                ProfileCache, ProfileKey, RestoreLog, fit_decode, fit_linear, machine_id,
+                                plan_restore)
 
 LEVEL_BYTES = {"raw": 737_280, "fp16": 368_640, "q8": 230_400, "q4": 138_240, "q2": 92_160}
 
 
-def profile(a=0.004, b=0.003, c=0.0005, d=1 / 50e6) -> CostProfile:
-    """Recompute: 4 ms + 3 ms/chunk; IO: 0.5 ms + 50 MB/s."""
-    return CostProfile(LinearCost(a, b), LinearCost(c, d))
+def profile(a=0.004, b=0.003, c=0.0005, d=1 / 50e6, dec=()) -> CostProfile:
+    """Recompute: 4 ms + 3 ms/chunk; IO: 0.5 ms + 50 MB/s; de-quantization `dec` (level, s/chunk)."""
+    return CostProfile(LinearCost(a, b), LinearCost(c, d), decode=DecodeCost(tuple(dec)))
+
+
+def t_load(prof: CostProfile, chunks) -> float:  # read + de-quantize, written out
+    per = dict(prof.decode.per_level)
+    return t(prof.io, sum(c.nbytes for c in chunks)) + sum(per.get(c.level, max(per.values(), default=0.0))
+                                                            for c in chunks)
 
 
 def t(cost: LinearCost, x: float) -> float:  # the cost model written out independently
@@ -37,8 +44,7 @@ def brute_force(missing, prof, forced, allow):
     for k in sizes:
         for chosen in itertools.combinations(optional, k):
             n_re = len(forced) + k
-            loaded = sum(c.nbytes for c in optional if c not in chosen)
-            best = min(best, max(t(prof.recompute, n_re), t(prof.io, loaded)))
+            best = min(best, max(t(prof.recompute, n_re), t_load(prof, [c for c in optional if c not in chosen])))
     return best
 
 
@@ -48,11 +54,11 @@ chunks = st.lists(st.tuples(st.sampled_from(sorted(LEVEL_BYTES)), st.integers(1,
 
 @settings(max_examples=200, deadline=None)
 @given(chunks, st.data(), st.floats(1e6, 1e9), st.floats(0, 0.05), st.floats(1e-4, 0.02),
-       st.booleans())
-def test_plan_is_optimal_over_all_subsets(raw, data, bps, a, b, allow):
+       st.booleans(), st.dictionaries(st.sampled_from(["raw", "q8", "q4"]), st.floats(0, 0.01)))
+def test_plan_is_optimal_over_all_subsets(raw, data, bps, a, b, allow, dec):
     missing = [MissingChunk(i, lv, n) for i, (lv, n) in enumerate(raw)]
     forced = set(data.draw(st.sets(st.sampled_from(range(len(raw)))) if raw else st.just(set())))
-    prof = profile(a=a, b=b, d=1 / bps)
+    prof = profile(a=a, b=b, d=1 / bps, dec=sorted(dec.items()))
     plan = plan_restore(missing, prof, must_recompute=forced, allow_recompute=allow)
     assert sorted(plan.load + plan.recompute) == list(range(len(raw)))
     assert set(plan.load).isdisjoint(plan.recompute)
@@ -61,7 +67,7 @@ def test_plan_is_optimal_over_all_subsets(raw, data, bps, a, b, allow):
         assert set(plan.recompute) == forced
     assert plan.load_bytes == sum(missing[i].nbytes for i in plan.load)
     assert plan.t_recompute == pytest.approx(t(prof.recompute, len(plan.recompute)))
-    assert plan.t_io == pytest.approx(t(prof.io, plan.load_bytes))
+    assert plan.t_io == pytest.approx(t_load(prof, [missing[i] for i in plan.load]))
     assert plan.predicted == max(plan.t_recompute, plan.t_io)
     assert plan.predicted == pytest.approx(brute_force(missing, prof, forced, allow), rel=1e-12)
 
@@ -157,17 +163,52 @@ def test_fit_needs_two_sizes():
         fit_linear([(1, float("nan")), (2, 1.0)])
 
 
+def test_decode_cost_per_chunk_decides_what_to_recompute():
+    """Reading is nearly free but every loaded chunk must be de-quantized: when that costs more per
+    chunk than recomputing one more chunk adds, the planner recomputes; without, it loads; and the
+    chunks it recomputes are the dearest to load (here q2, the slowest to de-quantize)."""
+    missing = [MissingChunk(i, lv, LEVEL_BYTES[lv]) for i, lv in enumerate(["q2", "raw", "q2", "q8"])]
+    cheap = plan_restore(missing, profile(a=0.0, b=0.002, d=1e-12))
+    assert cheap.recompute == () and cheap.load == (0, 1, 2, 3)
+    prof = profile(a=0.0, b=0.002, d=1e-12, dec=[("q2", 0.005), ("q8", 0.001), ("raw", 0.0005)])
+    dear = plan_restore(missing, prof)
+    assert dear.recompute == (0, 2) and dear.load == (1, 3)
+    assert dear.t_io == pytest.approx(t_load(prof, [missing[1], missing[3]]))
+
+
+def test_fit_decode_per_level():
+    fit = fit_decode([("q2", 8, 0.0024), ("q2", 32, 0.0096), ("raw", 8, 0.0011), ("raw", 32, 0.0045)])
+    assert fit.chunk("q2") == pytest.approx(0.0003)
+    assert fit.chunk("raw") == pytest.approx((8 * 0.0011 + 32 * 0.0045) / (64 + 1024))
+    assert fit.chunk("q4") == fit.chunk("q2")  # not measured: the dearest measured level
+    assert fit([ "q2", "raw", "q2"]) == pytest.approx(2 * fit.chunk("q2") + fit.chunk("raw"))
+    assert DecodeCost().chunk("q8") == 0.0
+    with pytest.raises(ValueError):
+        fit_decode([("q2", 0, 0.1)])
+    with pytest.raises(ValueError):
+        fit_decode([("q2", 4, float("nan"))])
+    with pytest.raises(Exception, match="level"):
+        fit_decode([("q3", 4, 0.1)])
+    with pytest.raises(ValueError):
+        DecodeCost((("q8", -1.0),))
+
+
 def test_profile_json_round_trip():
-    prof = CostProfile.fit([(1, 0.01), (2, 0.013), (8, 0.031)], [(1e6, 0.02), (4e6, 0.08)])
+    prof = CostProfile.fit([(1, 0.01), (2, 0.013), (8, 0.031)], [(1e6, 0.02), (4e6, 0.08)],
+                           [("q8", 8, 0.002), ("q8", 32, 0.008), ("q2", 8, 0.003)])
     back = CostProfile.from_json(prof.to_json())
-    assert back == prof
+    assert back == prof and back.decode.chunk("q2") > back.decode.chunk("q8") > 0
     assert json.loads(prof.to_json())["version"] == PROFILE_VERSION
     doc = json.loads(prof.to_json())
     doc["version"] = PROFILE_VERSION + 1
     with pytest.raises(ValueError, match="version"):
         CostProfile.from_json(json.dumps(doc))
     with pytest.raises(ValueError, match="malformed"):
-        CostProfile.from_json('{"version": 1}')
+        CostProfile.from_json(json.dumps({"version": PROFILE_VERSION}))
+    old = json.loads(prof.to_json())
+    old["version"] = 1  # a version-1 profile (T_io with decoding folded in) is re-measured
+    with pytest.raises(ValueError, match="version"):
+        CostProfile.from_json(json.dumps(old))
 
 
 def test_profile_cache(tmp_path):
