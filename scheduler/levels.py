@@ -33,6 +33,13 @@ RANK: dict[str, int] = {"raw": 5, "fp16": 4, "bf16": 4, "q8": 3, "q4": 2, "q2": 
 LEVELS: tuple[str, ...] = tuple(sorted(RANK, key=lambda name: -RANK[name]))
 #: the LLMS levels (ratios 8/8, 4/8, 2/8), heaviest first
 DEFAULT_PLAN_LEVELS: tuple[str, ...] = ("q8", "q4", "q2")
+#: measured fidelity of each level: 1 - the relative RMS error of its codec on real K/V of the
+#: default model (SmolLM2-135M, 2048 tokens of standard-library text, float32; `python -m
+#: bench.storage_speed`, docs/benchmarks.md, 2026-11-22). The compression planner weighs density by
+#: it. q4 keeps 96% and q2 82%: halving the bits from q4 costs four times what halving them from q8
+#: does, which a weight linear in the bits (the ratio) cannot express.
+FIDELITY: dict[str, float] = {"raw": 1.0, "fp16": 1 - 2.0e-4, "bf16": 1 - 1.6e-3, "q8": 1 - 2.2e-3,
+                              "q4": 1 - 3.6e-2, "q2": 1 - 1.8e-1}
 
 
 def check_level(level: str) -> str:
@@ -65,6 +72,12 @@ def nominal_bits(level: str, dtype: str = "float32") -> int:
 def ratio(level: str, dtype: str = "float32") -> float:
     """LLMS compression ratio of ``level``: nominal bits relative to 8-bit (q4 -> 0.5)."""
     return nominal_bits(level, dtype) / 8.0
+
+
+def fidelity(level: str) -> float:
+    """Measured fidelity of ``level`` (see :data:`FIDELITY`): 1 for lossless, lower when lossier."""
+    check_level(level)
+    return FIDELITY[level]
 
 
 def lighter(a: str, b: str) -> str:

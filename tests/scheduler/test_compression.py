@@ -14,9 +14,12 @@ from scheduler.errors import UnknownCompressionModeError, UnknownLevelError
 # Written out here, not imported, so the brute force below shares no code with the planner.
 BITS = {"raw": 32, "fp16": 16, "bf16": 16, "q8": 8, "q4": 4, "q2": 2}
 HEAVY = {"raw": 5, "fp16": 4, "bf16": 4, "q8": 3, "q4": 2, "q2": 1}
+# fidelity per level: measured (1 - relative RMS error of the codec on real K/V), or the ratio
+FIDELITY = {"measured": {"raw": 1.0, "fp16": 0.9998, "bf16": 0.9984, "q8": 0.9978, "q4": 0.964, "q2": 0.82},
+            "ratio": {lv: b / 8 for lv, b in BITS.items()}}
 
 
-def brute_force(d, levels, current, nb, g):
+def brute_force(d, levels, current, nb, g, weights="ratio"):
     """Every threshold tuple scored in plain Python: [(objective, mean, per-chunk levels), ...]."""
     ranking = sorted(range(nb), key=lambda i: (-d[i], i))
     m = len(levels)
@@ -31,7 +34,7 @@ def brute_force(d, levels, current, nb, g):
             cur = current[i]
             assigned[i] = target if HEAVY[target] <= HEAVY[cur] else cur
         ratios = [BITS[assigned[i]] / 8 for i in range(nb)]
-        obj = sum(r * d[i] for i, r in enumerate(ratios))
+        obj = sum(FIDELITY[weights][assigned[i]] * d[i] for i in range(nb))
         mean = sum(ratios) / nb if nb else 0.0
         out.append((obj, mean, assigned, ts))
     return out
@@ -51,23 +54,23 @@ def contexts(draw):
     cur = draw(st.lists(current_level, min_size=n, max_size=n))
     partial = n > 0 and draw(st.booleans())
     g = draw(st.sampled_from([0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.5]) | st.floats(0.05, 2.0))
-    return d, cur, partial, g, draw(level_sets)
+    return d, cur, partial, g, draw(level_sets), draw(st.sampled_from(sorted(FIDELITY)))
 
 
 @settings(max_examples=300, deadline=None)
 @given(contexts())
 def test_plan_is_the_best_feasible_threshold_tuple(ctx):
-    d, cur, partial, g, levels = ctx
+    d, cur, partial, g, levels, weights = ctx
     plan = plan_tolerance(np.array(d), global_ratio=g, levels=levels, current=cur,
-                          partial_last=partial)
+                          partial_last=partial, weights=weights)
     current = ["raw" if c is None else c for c in cur]
     nb = len(d) - 1 if partial else len(d)
-    scored = brute_force(d, levels, current, nb, g)
+    scored = brute_force(d, levels, current, nb, g, weights)
     feasible = [s for s in scored if s[1] <= g + 1e-12]
     assert plan.n_budget == nb
     assert plan.feasible == bool(feasible)
     # the reported numbers are those of the reported levels
-    assert plan.objective == pytest.approx(sum(BITS[plan.levels[i]] / 8 * d[i] for i in range(nb)),
+    assert plan.objective == pytest.approx(sum(FIDELITY[weights][plan.levels[i]] * d[i] for i in range(nb)),
                                            rel=1e-12, abs=1e-12)
     if nb:
         assert plan.mean_ratio == pytest.approx(sum(BITS[plan.levels[i]] for i in range(nb)) / 8 / nb)
@@ -93,7 +96,21 @@ def test_plan_is_the_best_feasible_threshold_tuple(ctx):
     assert plan.changed == tuple(i for i in range(len(d)) if plan.levels[i] != current[i])
     # deterministic
     assert plan_tolerance(np.array(d), global_ratio=g, levels=levels, current=cur,
-                          partial_last=partial) == plan
+                          partial_last=partial, weights=weights) == plan
+
+
+def test_measured_weights_keep_most_chunks_at_4_bits():
+    """With weights linear in the bits the optimum at a 50% bound splits the chunks between q8 and
+    q2; measured fidelity (q2 loses far more than q4) keeps them at q4 and gives q8 only to a chunk
+    far denser than the ones it pushes to q2 (here the attention sink, chunk 0)."""
+    d = np.array([40.0, 1.2, 1.1, 1.0, 0.9, 1.05, 0.95, 1.0, 0.8, 1.15, 1.0, 0.85])
+    lin = plan_tolerance(d, weights="ratio")
+    assert lin.levels.count("q4") <= 1 and lin.levels.count("q2") >= 7
+    plan = plan_tolerance(d)
+    assert plan.levels[0] == "q8" and plan.levels.count("q4") >= 8 and plan.mean_ratio <= 0.5
+    assert plan.levels.count("q2") == 2 and {plan.levels[8], plan.levels[11]} == {"q2"}  # the two least dense
+    flat = plan_tolerance(np.ones(12))
+    assert flat.levels == ("q4",) * 12  # no density contrast: all at the level the bound allows
 
 
 def test_densest_chunks_keep_the_most_bits():
@@ -210,7 +227,12 @@ def test_planner_modes_through_the_registry():
     tol = CompressionPlanner(CompressionConfig()).plan(d)
     assert tol == plan_tolerance(d)
     sq = CompressionPlanner(CompressionConfig(mode="static", static_level="q8")).plan(d)
-    assert sq.levels == ("q8",) * 4 and sq.objective == pytest.approx(d.sum())
+    assert sq.levels == ("q8",) * 4 and sq.objective == pytest.approx(FIDELITY["measured"]["q8"] * d.sum())
+    lin = CompressionPlanner(CompressionConfig(weights="ratio")).plan(d)
+    assert lin == plan_tolerance(d, weights="ratio") and lin.objective == pytest.approx(
+        sum(BITS[lv] / 8 * x for lv, x in zip(lin.levels, d)))
+    with pytest.raises(ValueError, match="measured"):
+        CompressionConfig(weights="cubic")
     none = CompressionPlanner(CompressionConfig(mode="none", dtype="float16")).plan(d, ["q4"] * 4)
     assert none.levels == ("q4",) * 4 and none.mode == "none"
     assert CompressionPlanner(CompressionConfig(mode="none", dtype="float16")).plan(d).mean_ratio == 2.0
