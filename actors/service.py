@@ -41,6 +41,9 @@ class LocalService:
         if engine is None:
             engine = ContextEngine.load(None, EngineConfig(max_context_tokens=config.max_context_tokens,
                                                            chunk_tokens=config.chunk_tokens))
+        elif engine.model.engine_cfg.chunk_tokens != config.chunk_tokens:
+            raise ValueError(f"the engine passed cuts {engine.model.engine_cfg.chunk_tokens}-token chunks but the "
+                             f"service is configured for {config.chunk_tokens}; load a model with that chunk size")
         elif engine.cfg.max_context_tokens != config.max_context_tokens:
             engine = ContextEngine(engine.model, engine.tok, EngineConfig(
                 max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens))

@@ -100,6 +100,8 @@ def run(policy, small_engine, texts, reference, tmp_path):
             res = svc.call(tok, ctxs[c], ps[(r, c)], max_tokens=MAX_TOKENS)
             outs[(r, c)] = res.token_ids
             switches.append(res.switch_ms)
+            # TTFT runs from the call's arrival, so the switch is inside it; total covers both
+            assert res.switch_ms <= res.ttft_s * 1000 <= res.total_s * 1000
     svc.executor.flush()
     assert checks and max(checks) <= budget
     return svc, tok, ctxs, outs
