@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test serve bench clean
+.PHONY: venv test serve bench bench-full clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,14 @@ bench: venv
 	$(BIN)/python -m deploy.jobs.replay --pattern markov --contexts 8 --calls 30 --max-tokens 8 \
 		--policies lmk swap vllm-s vllm-sq llms --out docs/results/replay-markov-8ctx
 	$(BIN)/python -m bench.report docs/results/replay-markov-8ctx --write docs/benchmarks.md
+
+# The full set of issue 6 (LLMS Fig. 9, 10, 13, 14): 212 runs of one policy each, 30 calls, into
+# docs/results/grid/ (one directory per run), then the report's grid, capacity, ablation and chunks
+# sections and plots. About 5 h on 2 cores, 8 h with other work running (bench/grid.py). Resumable:
+# run again after a stop, it continues (python -m bench.grid --set all --dry-run lists what is left).
+bench-full: venv
+	$(BIN)/python -m bench.grid --set grid capacity ablation chunks --calls 30 --out docs/results/grid
+	$(BIN)/python -m bench.report --grid docs/results/grid --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache

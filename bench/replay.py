@@ -9,6 +9,11 @@ which does the ahead-of-time swap-out) has finished, so that work is never count
 `switch_ms` it would not hit in real time, and never skipped either. A reply asks for the tokens the
 trace's delta leaves after the prompt, capped at `max_tokens`.
 
+The chunk size is a replay setting (`ReplayConfig.chunk_tokens`, LLMS §5.4): the K/V chunk size lives
+in the model's engine config as well as the service's, so a service with another size than the loaded
+model's runs on a sibling model sharing the same weights (`engine_with_chunks`, no reload), with a cost
+profile measured for that size.
+
 What a call's numbers mean is DESIGN.md §1 (`switch_ms`) and `actors.executor.CallOutcome`; the
 outcome names are `actors.metrics.switch_outcome`. This module knows nothing about argument parsing,
 Ray start-up or plotting: `deploy.jobs.replay` is the entry point, `bench.report` the tables and plots.
@@ -25,8 +30,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +50,19 @@ from bench.traces import Trace, TraceRecord
 
 SUMMARY_FORMAT, SUMMARY_VERSION = "llmaas-replay", 1  # summary.json's "format" and "version"
 CALLS_CSV, SUMMARY_JSON, TRACE_JSONL = "calls.csv", "summary.json", "trace.jsonl"  # file names in a results dir
+DEFAULT_CHUNK_TOKENS = 16  # LLMS' chunk size and the service's default (actors.config.ServiceConfig)
+# LLMS §5.4 sweeps 4-64 tokens. The engine takes any size >= 1, but q2's sub-byte packing is token-major
+# only for a multiple of 4 tokens (storage.codecs), and a power of two keeps 4K-token contexts whole chunks.
+CHUNK_TOKENS_RANGE = (4, 64)
+
+
+def check_chunk_tokens(n: object) -> int:
+    """`n` if it is a chunk size the replay supports (a power of two in CHUNK_TOKENS_RANGE), else ValueError."""
+    lo, hi = CHUNK_TOKENS_RANGE
+    if not isinstance(n, int) or isinstance(n, bool) or not lo <= n <= hi or n & (n - 1):
+        sizes = ", ".join(str(1 << k) for k in range(lo.bit_length() - 1, hi.bit_length()))
+        raise ValueError(f"chunk_tokens must be a power of two from {lo} to {hi} ({sizes}), got {n!r}")
+    return n
 
 
 @dataclass(slots=True)
@@ -71,6 +89,8 @@ class ReplayConfig:
     """The service's Ray actors (ray must be initialised) instead of one process."""
     seed: int = 0
     """Seed of the histories' text."""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Tokens per K/V chunk of the services (a power of two, 4..64; LLMS §5.4)."""
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -82,6 +102,7 @@ class ReplayConfig:
         lo, hi = self.history_tokens
         if not 1 <= lo < hi:
             raise ValueError(f"history_tokens must be 1 <= lo < hi, got {self.history_tokens}")
+        check_chunk_tokens(self.chunk_tokens)
 
 
 @dataclass(slots=True)
@@ -180,13 +201,13 @@ def replay(trace: Trace, config: ReplayConfig, engine, data_root: str | Path, *,
     def count_tokens(text: str) -> int:
         return len(engine.tok.encode(text))
 
+    chunks = "" if config.chunk_tokens == DEFAULT_CHUNK_TOKENS else f", {config.chunk_tokens}-token chunks"
     log(f"{n_ctx} contexts, {hist_tokens} history tokens, {len(calls)} calls, "
-        f"KV budget {budget / 1e6:.2f} MB, {'Ray actors' if config.use_ray else 'one process'}")
+        f"KV budget {budget / 1e6:.2f} MB{chunks}, {'Ray actors' if config.use_ray else 'one process'}")
     for policy in config.policies:
         t0 = time.perf_counter()
-        svc = open_service(policy, engine, budget, config.throttle_mbps * 1e6, config.use_ray,
-                           str(Path(data_root) / policy), max_context_tokens=config.max_context_tokens,
-                           prefix=f"replay{os.getpid()}")
+        svc = open_replay_service(policy, engine, budget, config, str(Path(data_root) / policy),
+                                  prefix=f"replay{os.getpid()}", log=log)
         try:
             token = svc.bind("replay")
             ctx_ids = []
@@ -210,6 +231,57 @@ def replay(trace: Trace, config: ReplayConfig, engine, data_root: str | Path, *,
         log(f"{policy:>8}: mean switch {s['mean_switch_ms']:.1f} ms, median {s['median_switch_ms']:.1f}, "
             f"p95 {s['p95_switch_ms']:.1f}; {s['outcomes']} ({result.wall_s[policy]:.0f} s)")
     return result
+
+
+def engine_with_chunks(engine, chunk_tokens: int):
+    """`engine` when its model already cuts K/V into `chunk_tokens`-token chunks, else a sibling engine
+    on a sibling model that shares the weight tensors and the tokenizer (no reload, no copy).
+
+    Why a sibling: `LocalService` takes a passed engine as it is, and the model's own engine config
+    sizes every cache's chunks (`Transformer.new_cache`), so a service configured for another chunk
+    size would bookkeep chunks the model does not cut."""
+    if engine.cfg.chunk_tokens == engine.model.engine_cfg.chunk_tokens == chunk_tokens:
+        return engine
+    from engine.context import ContextEngine
+    from engine.model import Transformer
+
+    m = engine.model
+    model = Transformer(m.cfg, m.w, replace(m.engine_cfg, chunk_tokens=chunk_tokens))
+    sibling = ContextEngine(model, engine.tok, replace(engine.cfg, chunk_tokens=chunk_tokens))
+    sibling.fingerprint = engine.fingerprint
+    return sibling
+
+
+def chunk_profile(engine, read_bytes_per_s: float):
+    """The pipeline cost profile of `engine`'s model at its chunk size (measured once, then cached;
+    `actors.profiling` keys its cache by machine, model, threads, chunk size and throttle)."""
+    from actors.profiling import load_or_measure
+
+    return load_or_measure(engine.model, engine.fingerprint or "unknown-model", read_bytes_per_s=read_bytes_per_s)
+
+
+def open_replay_service(policy: str, engine, budget: int, config: ReplayConfig, data_dir: str, *,
+                        prefix: str, log: Callable[[str], None] = lambda s: None):
+    """A fresh service for one policy of `config`: `bench.switching.open_service` at the default chunk
+    size; at another, the same `ServiceConfig` with `chunk_tokens` set, on `engine_with_chunks` and
+    its cost profile (in one process; the Ray actors load and profile their own model)."""
+    throttle = config.throttle_mbps * 1e6
+    if config.chunk_tokens == DEFAULT_CHUNK_TOKENS and engine.model.engine_cfg.chunk_tokens == DEFAULT_CHUNK_TOKENS:
+        return open_service(policy, engine, budget, throttle, config.use_ray, data_dir,
+                            max_context_tokens=config.max_context_tokens, prefix=prefix)
+    from actors.service import LocalService, ServiceConfig
+
+    cfg = ServiceConfig(data_dir=data_dir, policy=policy, pool_bytes=budget, read_bytes_per_s=throttle,
+                        max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens)
+    if config.use_ray:
+        from actors.ray_service import RayService
+
+        log(f"warning: the Ray actors cache their cost profile without the chunk size; with "
+            f"{config.chunk_tokens}-token chunks the planner may use a profile of another size")
+        return RayService(cfg, prefix=f"{prefix}-{policy}")
+    sibling = engine_with_chunks(engine, config.chunk_tokens)
+    cfg.profile = chunk_profile(sibling, throttle).to_json()
+    return LocalService(cfg, engine=sibling)
 
 
 def _bar(total: int, policy: str):
@@ -288,6 +360,7 @@ def write_results(out_dir: str | Path, result: ReplayResult, trace: Trace, meta:
         "max_tokens": c.max_tokens,
         "max_gap_s": c.max_gap_s,
         "max_context_tokens": c.max_context_tokens,
+        "chunk_tokens": c.chunk_tokens,
         "policies": {p: {**summarise(recs), "wall_s": result.wall_s.get(p)} for p, recs in result.records.items()},
     }
     (out / SUMMARY_JSON).write_text(json.dumps(summary, indent=1, sort_keys=False) + "\n")

@@ -2,7 +2,7 @@
 
     python -m deploy.jobs.replay [--trace FILE | --pattern markov --contexts 8 --calls 30]
         [--policies lmk swap vllm-s vllm-sq llms] [--kv-budget BYTES] [--throttle-mbps MB/s]
-        [--max-tokens 8] [--max-gap-s 0] [--ray] --out RESULTS_DIR
+        [--max-tokens 8] [--max-gap-s 0] [--chunk-tokens 16] [--ray] --out RESULTS_DIR
 
 Also `llmaas bench replay ...`, and `ray job submit -- python -m deploy.jobs.replay --ray ...`: under
 `ray job submit` (RAY_ADDRESS set) `--ray` attaches to that cluster (`ray.init(address="auto")`) and
@@ -27,8 +27,11 @@ DEFAULT_CALLS = 30  # calls of a generated trace when --calls is not given (coun
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    from bench.replay import CHUNK_TOKENS_RANGE, DEFAULT_CHUNK_TOKENS
     from bench.switching import POLICIES
     from bench.traces import PATTERNS, TraceConfig
+
+    lo, hi = CHUNK_TOKENS_RANGE
 
     d = TraceConfig()
     p = argparse.ArgumentParser(prog=prog, description="Replay a context-switching trace against memory "
@@ -54,6 +57,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     r.add_argument("--history-tokens", type=int, nargs=2, default=(1000, 1900), metavar=("LO", "HI"),
                    help="each context's starting history of real text, tokens (default 1000 1900)")
     r.add_argument("--max-context", type=int, default=4096, metavar="TOKENS", help="context limit (default 4096)")
+    r.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, metavar="N",
+                   help=f"tokens per K/V chunk, a power of two from {lo} to {hi} (LLMS §5.4; default %(default)s)")
     r.add_argument("--ray", action="store_true", help="the service's Ray actors instead of one process")
     r.add_argument("--address", default=None,
                    help="with --ray: the cluster to attach to (default: $RAY_ADDRESS, as under ray job "
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                               throttle_mbps=args.throttle_mbps, max_tokens=args.max_tokens,
                               max_gap_s=args.max_gap_s, calls=args.calls or 0,
                               history_tokens=tuple(args.history_tokens), max_context_tokens=args.max_context,
-                              use_ray=args.ray, seed=args.seed)
+                              use_ray=args.ray, seed=args.seed, chunk_tokens=args.chunk_tokens)
         for name in config.policies:
             get_policy(name)
     except (ValueError, KeyError) as e:
