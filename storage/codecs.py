@@ -457,10 +457,6 @@ class _Quant(_Codec):
         z = _params_f32(pv[:, :c])  # [L, C]
         s = _params_f32(pv[:, c:])  # [L, C]
         packed = enc.payload[:, p_nbytes:]
-        t_ = _torch(packed, out) if enc.dtype == "float32" else None
-        if t_ is not None:  # same float32 ops, on torch's threads (the numpy path uses one core)
-            self._decode_torch(t_, packed, z, s, out, (nl, t, 2, h, d))
-            return
         if self.bits == 8:
             q = packed
         else:
@@ -484,26 +480,6 @@ class _Quant(_Codec):
             np.copyto(out, xv)
         else:
             _store_f32(xv, out, enc.dtype)
-
-    def _decode_torch(self, torch, packed: np.ndarray, z: np.ndarray, s: np.ndarray, out: np.ndarray,
-                      shape: tuple[int, int, int, int, int]) -> None:
-        """``decode`` for float32 output with torch: unpack, widen into ``out``, ``*= s``, ``+= z``.
-
-        The same three float32 operations in the same order as the numpy path (no fused
-        multiply-add), so the values are bit-identical (tested); torch runs them on its intra-op
-        threads, which halves a restore's de-quantization on 2 idle cores."""
-        nl, t, _, h, d = shape
-        c = 2 * h * d
-        pk = torch.from_numpy(packed)
-        if self.bits == 8:
-            q = pk
-        else:
-            shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8).view(1, self.group, 1)
-            q = ((pk.unsqueeze(1) >> shifts) & self.qmax).reshape(nl, -1)[:, : t * c]
-        o = torch.from_numpy(out)
-        o.copy_(q.reshape(nl, t, 2, h, d).permute(0, 2, 3, 1, 4))
-        o.mul_(torch.from_numpy(s).view(nl, 2, h, 1, d))
-        o.add_(torch.from_numpy(z).view(nl, 2, h, 1, d))
 
     def scales(self, enc: EncodedChunk) -> np.ndarray:
         """Stored per-channel scales [L,2,H,1,D] as float32 (the error bound is half of them)."""

@@ -283,24 +283,6 @@ def test_torch_and_numpy_casts_give_the_same_bytes(monkeypatch, dtype):
         assert got[True, level] == got[False, level], level
 
 
-@pytest.mark.parametrize("tokens", [16, 13, 1])
-def test_torch_and_numpy_decode_partial_chunks_alike(monkeypatch, tokens):
-    """The torch de-quantization (float32 output) unpacks sub-byte records of any token count as the
-    numpy one does: the same values, bit for bit, into a strided slot."""
-    pytest.importorskip("torch")
-    kv = synthetic_kv((3, 2, 3, tokens, 64), seed=tokens)
-    for level in QUANT:
-        enc = C.encode(kv, level)
-        got = []
-        for use in (True, False):
-            monkeypatch.setattr(C, "USE_TORCH", use)
-            out = np.full((3, 2, 3, 40, 64), np.nan, np.float32)
-            C.decode(enc, out=out[:, :, :, 5:5 + tokens])
-            got.append(out)
-        np.testing.assert_array_equal(got[0], got[1], err_msg=level)
-        assert np.isnan(got[0][:, :, :, :5]).all() and np.isnan(got[0][:, :, :, 5 + tokens:]).all()
-
-
 def test_read_only_payloads_decode_without_torch(monkeypatch):
     """torch warns when it wraps a read-only array: those stay on numpy, same values."""
     enc = C.encode(synthetic_kv(), "fp16")
