@@ -1,7 +1,7 @@
 """The one-shot profiling run behind the pipeline planner (LLMS §3.3 i): measure what recomputing x
 chunks, reading m bytes of chunk files and de-quantizing k chunks cost on this machine, fit the
-linear models T_re(x), T_io(m) and T_dec(k, m), and cache the profile per machine, model and storage
-throttle.
+linear models T_re(x) and T_io(m) and the per-chunk de-quantization cost of each level (T_dec), and
+cache the profile per machine, model, thread count, chunk size and storage throttle.
 
 It runs in a scratch directory with a throwaway context of real K/V, takes a few seconds, and is
 reused on later starts (`llmaas profile` runs it again). Tests inject a profile instead.

@@ -26,8 +26,9 @@ by stored bytes), largest first (ties: heavier level, then chunk index), and ``x
 scanned: recompute the first ``x``, load the rest. Because ``T_re`` depends only on the count and
 the loading side is a fixed cost plus a sum over the loaded chunks, for every count the dearest
 chunks to load are the best ones to recompute, so this scan is optimal over *all* subsets, not
-only for that order. Ties between
-counts go to the smaller ``x`` (less CPU taken from the model). With ``allow_recompute=False``
+only for that order. On a slow disk the dearest to load are the heaviest chunks, as the paper says;
+from a fast one they can be the lightest (q2 de-quantizes slowest). Ties between counts go to the
+smaller ``x`` (less CPU taken from the model). With ``allow_recompute=False``
 (pipeline off: ``llms-no-pipeline`` and the swap baselines) everything with a file is loaded.
 
 Deliberately not modelled: recompute of a late chunk attends to more tokens than an early one
