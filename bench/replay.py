@@ -276,8 +276,6 @@ def open_replay_service(policy: str, engine, budget: int, config: ReplayConfig, 
     if config.use_ray:
         from actors.ray_service import RayService
 
-        log(f"warning: the Ray actors cache their cost profile without the chunk size; with "
-            f"{config.chunk_tokens}-token chunks the planner may use a profile of another size")
         return RayService(cfg, prefix=f"{prefix}-{policy}")
     sibling = engine_with_chunks(engine, config.chunk_tokens)
     cfg.profile = chunk_profile(sibling, throttle).to_json()
