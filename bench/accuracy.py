@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.markdown import publish
+
 NAME = "accuracy"
 HEADING = "## Compression accuracy"
 STATIC_LEVELS = ("raw", "fp16", "q8", "q4", "q2")
@@ -46,40 +48,6 @@ FAR_WORSE_TIMES = 5.0  # ... and >= 5x the excess perplexity of llms at 50%
 
 
 # ---- helpers shared by the issue-6 benchmarks -------------------------------------------------------
-def markers(name: str) -> tuple[str, str]:
-    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-
-
-def write_section(path: Path, name: str, heading: str, text: str) -> None:
-    """Put `text` between the markers of `name` in the markdown file `path`, replacing what was there.
-    When the markers are missing, the block is appended at the end of the `heading` section (the
-    heading is added at the end of the file when missing)."""
-    begin, end = markers(name)
-    block = f"{begin}\n{text}\n{end}"
-    doc = path.read_text() if path.exists() else "# Benchmarks\n"
-    if begin in doc and end in doc[doc.index(begin):]:
-        i = doc.index(begin)
-        j = doc.index(end, i) + len(end)
-        doc = doc[:i] + block + doc[j:]
-    elif begin in doc or end in doc:
-        raise ValueError(f"{path}: unbalanced markers for {name!r}: want {begin} then {end}")
-    else:
-        lines = doc.splitlines()
-        if heading not in lines:
-            doc = doc.rstrip("\n") + f"\n\n{heading}\n\n{block}\n"
-        else:
-            # the heading's section ends at the next heading of the same or a higher level
-            level = len(heading) - len(heading.lstrip("#"))
-            at = lines.index(heading) + 1
-            while at < len(lines) and not (lines[at].startswith("#")
-                                          and len(lines[at]) - len(lines[at].lstrip("#")) <= level):
-                at += 1
-            head = "\n".join(lines[:at]).rstrip("\n")
-            tail = "\n".join(lines[at:])
-            doc = head + "\n\n" + block + "\n" + ("\n" + tail + "\n" if tail else "")
-    path.write_text(doc)
-
-
 def machine_line() -> str:
     """Date, cores, architecture, torch threads and the load average now, for a section's header."""
     import torch
@@ -303,10 +271,7 @@ def main(argv=None) -> int:
               + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     res = summarise(per_window)
     text = markdown(res, args, len(starts), time.perf_counter() - t0)
-    print(text)
-    if args.write:
-        write_section(args.write, NAME, HEADING, text)
-    return 0
+    return publish(text, args.write, NAME, HEADING)
 
 
 if __name__ == "__main__":

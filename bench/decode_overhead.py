@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.accuracy import machine_line, write_section
+from bench.accuracy import machine_line
+from bench.markdown import publish
 
 NAME = "decode-overhead"
 HEADING = "## Decode speed with context management"
@@ -224,10 +225,7 @@ def main(argv=None) -> int:
         finally:
             close_service(svc)
     text = markdown(res, args, extra, time.perf_counter() - t0)
-    print(text)
-    if args.write:
-        write_section(args.write, NAME, HEADING, text)
-    return 0
+    return publish(text, args.write, NAME, HEADING)
 
 
 if __name__ == "__main__":

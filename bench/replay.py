@@ -207,7 +207,7 @@ def replay(trace: Trace, config: ReplayConfig, engine, data_root: str | Path, *,
     for policy in config.policies:
         t0 = time.perf_counter()
         svc = open_replay_service(policy, engine, budget, config, str(Path(data_root) / policy),
-                                  prefix=f"replay{os.getpid()}", log=log)
+                                  prefix=f"replay{os.getpid()}")
         try:
             token = svc.bind("replay")
             ctx_ids = []
@@ -261,7 +261,7 @@ def chunk_profile(engine, read_bytes_per_s: float):
 
 
 def open_replay_service(policy: str, engine, budget: int, config: ReplayConfig, data_dir: str, *,
-                        prefix: str, log: Callable[[str], None] = lambda s: None):
+                        prefix: str):
     """A fresh service for one policy of `config`: `bench.switching.open_service` at the default chunk
     size; at another, the same `ServiceConfig` with `chunk_tokens` set, on `engine_with_chunks` and
     its cost profile (in one process; the Ray actors load and profile their own model)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import grid as G
+from bench.markdown import replace_block
 from bench.replay import CALLS_CSV, DEFAULT_CHUNK_TOKENS, SUMMARY_FORMAT, SUMMARY_JSON
 
 BEGIN, END = "<!-- replay:begin -->", "<!-- replay:end -->"
@@ -200,15 +201,11 @@ def plot_switch_latency(results: Results, path: str | Path) -> Path:
 
 def replace_section(doc: str, text: str, begin: str = BEGIN, end: str = END, section: str = SECTION) -> str:
     """`doc` with the text between the markers `begin` and `end` (default: the replay's) replaced by
-    `text` (markers kept); the markers are appended under `section` (made when missing) the first time."""
-    block = f"{begin}\n{text}\n{end}"
-    if begin in doc and end in doc and doc.index(begin) < doc.index(end):
-        return doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end):]
-    if begin in doc or end in doc:
-        raise ResultsError(f"unbalanced markers: want {begin} then {end}")
-    if section not in doc:
-        doc = doc.rstrip("\n") + f"\n\n{section}\n"
-    return doc.rstrip("\n") + "\n\n" + block + "\n"
+    `text`; the first time, the block goes at the end of `section` (`bench.markdown.replace_block`)."""
+    try:
+        return replace_block(doc, text, begin, end, section)
+    except ValueError as e:
+        raise ResultsError(str(e)) from None
 
 
 def report(dirs: list[str | Path], img_dir: str | Path, md_dir: str | Path) -> str:

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.accuracy import llms_plan, machine_line, model_dtype_name, prefill, real_text_ids, write_section
+from bench.accuracy import llms_plan, machine_line, model_dtype_name, prefill, real_text_ids
+from bench.markdown import publish
 
 NAME = "restore"
 HEADING = "## Restore versus recompute"
@@ -247,10 +248,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = markdown(rows, args, disk, time.perf_counter() - t0)
-    print(text)
-    if args.write:
-        write_section(args.write, NAME, HEADING, text)
-    return 0
+    return publish(text, args.write, NAME, HEADING)
 
 
 if __name__ == "__main__":

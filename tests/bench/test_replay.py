@@ -356,3 +356,15 @@ def test_eta_scales_the_priors_by_what_runs_took():
     eta.observe(a, 2 * eta.prior(a))
     assert eta.remaining([a, b]) == pytest.approx(2 * (eta.prior(a) + eta.prior(b)))
     assert G.hms(3725) == "1h02m" and G.hms(307) == "5m07s" and G.hms(42) == "42s"
+
+
+def test_markdown_block_goes_at_the_end_of_its_heading_and_is_replaced_in_place():
+    from bench.markdown import replace_block
+
+    doc = "# Benchmarks\n\n## A\n\ntext a\n\n### A.1\n\nsub\n\n## B\n\ntext b\n"
+    once = replace_block(doc, "new", "<!-- x:begin -->", "<!-- x:end -->", "## A")
+    assert once.index("sub") < once.index("<!-- x:begin -->\nnew\n<!-- x:end -->") < once.index("## B")
+    again = replace_block(once, "newer", "<!-- x:begin -->", "<!-- x:end -->", "## A")
+    assert again == once.replace("\nnew\n", "\nnewer\n")
+    with pytest.raises(ValueError, match="unbalanced"):
+        replace_block("<!-- x:end -->", "t", "<!-- x:begin -->", "<!-- x:end -->", "## A")
