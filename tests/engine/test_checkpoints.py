@@ -103,3 +103,24 @@ def test_default_model_conversion_is_cached(resolved_model, monkeypatch):
     again = resolve_model()
     assert again.directory == resolved_model.directory
     assert (again.directory / "model.safetensors").is_file()
+
+
+def test_fused_cache_follows_a_changed_directory(tmp_path, monkeypatch):
+    """The fused-weights cache is keyed by fingerprint but stamped with its source: when the directory
+    is rewritten (re-converted, edited) under the same fingerprint, the next load rebuilds it."""
+    monkeypatch.setenv("LLMAAS_CACHE_DIR", str(tmp_path / "cache"))
+    d, first = build(tmp_path, "qwen2")
+    ids = list(range(1, 40))
+    m1 = Transformer.from_directory(d, EngineConfig(device="cpu"), fingerprint="f" * 32)
+    with torch.inference_mode():
+        ref1 = first(torch.tensor([ids])).logits[0]
+    assert (m1.forward(m1.new_cache(40), ids, all_logits=True) - ref1).abs().max().item() < 1e-4
+    with torch.no_grad():  # the same checkpoint, re-saved with other weights
+        for p in first.parameters():
+            p.mul_(1.1)
+    first.save_pretrained(d)
+    with torch.inference_mode():
+        ref2 = first(torch.tensor([ids])).logits[0]
+    m2 = Transformer.from_directory(d, EngineConfig(device="cpu"), fingerprint="f" * 32)
+    assert (m2.forward(m2.new_cache(40), ids, all_logits=True) - ref2).abs().max().item() < 1e-4
+    assert (ref2 - ref1).abs().max().item() > 1e-2  # the change is visible, so the check can fail

@@ -33,6 +33,11 @@ LOGIT_TOL = 1e-3
 NEAR_TIE = 1e-4
 
 
+def machine() -> str:
+    """What a numerical miss depends on, for the failure message."""
+    return f"torch {torch.__version__}, cpu {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+
+
 def chat_ids(tok, prompt, system):
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     return tok.encode(tok.render(msgs, True))
@@ -75,7 +80,7 @@ def test_teacher_forced_logits_match_transformers(engine, hf_model, hf_continuat
         got = engine.model.forward(engine.model.new_cache(len(seq)), seq, all_logits=True)
         err = (got - ref).abs().max().item()
         worst = max(worst, err)
-        assert err < LOGIT_TOL, f"prompt {k}: max |logit diff| {err:.2e}"
+        assert err < LOGIT_TOL, f"prompt {k}: max |logit diff| {err:.2e} ({machine()})"
         top2 = ref.topk(2, dim=-1).values
         margin = top2[:, 0] - top2[:, 1]
         differ = (got.argmax(-1) != ref.argmax(-1)).nonzero().flatten().tolist()
@@ -101,3 +106,25 @@ def test_full_greedy_decoding_matches_transformers(engine, hf_continuations):
             logits = engine.model.forward(cache, [t])
         matches += out == cont
     assert matches >= 3, f"only {matches} of 4 greedy continuations matched"
+
+
+def test_engine_runs_the_directorys_weights(engine, resolved_model, hf_model):
+    """The oracle and the engine hold bit-identical weights: the engine's (memory-mapped fused cache)
+    equal the converted directory's tensors, which transformers loaded. A parity miss is then about
+    arithmetic, never about a stale cache."""
+    import numpy as np
+
+    from engine.loader import read_safetensors
+    from engine.model import fuse_hf
+
+    want = fuse_hf(read_safetensors(resolved_model.directory), engine.model.cfg)
+    w = engine.model.w
+    got = {"embed": w.embed, "norm": w.norm}
+    for i, layer in enumerate(w.layers):
+        for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+            got[f"layers.{i}.{name}"] = getattr(layer, name)
+    assert set(got) <= set(want)
+    for name, t in got.items():
+        assert np.array_equal(t.detach().cpu().float().numpy(), np.asarray(want[name], dtype=np.float32)), name
+    hf_embed = hf_model.model.embed_tokens.weight.detach().cpu().numpy()
+    assert np.array_equal(hf_embed, w.embed.detach().cpu().float().numpy())
