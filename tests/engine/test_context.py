@@ -9,7 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.context import ContextEngine, PromptTooLongError, UnknownContextError
 from engine.sampling import BadRequestError
-from tests.engine.test_parity import machine
+from tests.engine.test_parity import check_logits
 
 TURNS = ["Hello! Please name a color.", "Now name a fruit of that color.", "Say both again, in one line."]
 
@@ -35,8 +35,7 @@ def test_three_calls_match_template_and_transformers(engine, hf_model):
     with torch.inference_mode():
         ref = hf_model(torch.tensor([seq], device=engine.model.device)).logits[0].float()
     got = engine.model.forward(engine.model.new_cache(len(seq)), seq, all_logits=True)
-    err = (got - ref).abs().max().item()
-    assert err < 1e-3, f"max |logit diff| {err:.2e} ({machine()})"
+    check_logits(got, ref, seq, hf_model, "three calls")
     # the context's own KV equals a fresh prefill of the same ids
     fresh = engine.model.new_cache(len(seq))
     engine.model.forward(fresh, seq[: ctx.cache.length])
