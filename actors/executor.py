@@ -32,6 +32,7 @@ from engine.context import ContextEngine, Context as EngineContext
 from engine.density import DensityTracker
 from engine.kvcache import KVCache
 from engine.sampling import BadRequestError
+from engine.threads import single_threaded_torch
 from storage import codecs
 
 
@@ -80,7 +81,8 @@ class InProcessRestorer:
         self.group_layers = group_layers
         self.io = io
         self.resolve = resolve
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode") if threads > 1 else None
+        self.pool = (ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
+                     if threads > 1 else None)
 
     def _submit(self, fn, *args):
         if self.pool is None:
@@ -132,6 +134,7 @@ class InProcessRestorer:
         q: queue.Queue = queue.Queue()
 
         def reader():
+            single_threaded_torch()
             try:
                 for grp in self.io.read_groups(plan.ctx, load, groups):
                     q.put(grp)
@@ -188,7 +191,8 @@ class ModelExecutor:
         self.level_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[
             self.model.dtype
         ]
-        self._bg = ThreadPoolExecutor(1, thread_name_prefix="writeback") if background else None
+        self._bg = (ThreadPoolExecutor(1, thread_name_prefix="writeback", initializer=single_threaded_torch)
+                    if background else None)
         self._pending: Future | None = None
         self._lock = threading.Lock()
 

@@ -162,7 +162,13 @@ class KVCache:
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous()
+    """A contiguous numpy copy of `t`. On the CPU numpy makes the copy, not torch: callers include the
+    executor's write-back thread, and a torch op that runs in parallel from a second thread gives that
+    thread an OpenMP team of its own, which stays alive with it and slowed every later parallel op
+    of the main thread's team by 30-45% on 2 cores (measured; docs/benchmarks.md)."""
+    t = t.detach()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.uint16)
-    return t.cpu().numpy()
+    if t.device.type == "cpu":
+        return np.array(t.numpy(), order="C", copy=True)
+    return t.contiguous().cpu().numpy()

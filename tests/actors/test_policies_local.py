@@ -183,4 +183,6 @@ def test_overflow_inside_the_service_keeps_kv_and_density_consistent(small_engin
             svc.call(tok, other, "Hello.", max_tokens=4)  # the next call must restore ctx
     assert ref.overflows >= 1  # the workload really passed the limit (first at the sixth call)
     assert got == want
+    # the write-back thread ran torch (K/V export, fp16 casts) on its own thread only (engine/threads.py)
+    assert svc.executor._bg.submit(torch.get_num_threads).result() == 1
     svc.close()
