@@ -44,6 +44,9 @@ class GovernorConfig:
     """Policy set name (scheduler.policies.POLICIES)."""
     dtype: str = "float32"
     """Compute dtype of the K/V (codec naming)."""
+    pipeline_groups: int = 1
+    """Layer groups a restore streams from the reader to the consumer (the G of Eq. 4',
+    scheduler/pipeline.py); 1 plans with no overlap. Set by the service from its restorer."""
 
 
 @dataclass(slots=True)
@@ -222,7 +225,8 @@ class MemoryGovernor:
                 forced.append(i)
                 if ch is not None and self.policy.on_pressure != "kill":
                     self.stats["fault_recomputes"] += 1
-        plan = plan_restore(missing, self.profile, must_recompute=forced, allow_recompute=self.policy.recompute)
+        plan = plan_restore(missing, self.profile, must_recompute=forced, allow_recompute=self.policy.recompute,
+                            groups=self.cfg.pipeline_groups)
         # loaded chunks become resident: make room now (on-demand writes happen here, in the switch)
         need = sum(book.chunks[i].file_nbytes for i in plan.load)
         evicted, wrote = self._make_room(need)

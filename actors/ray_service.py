@@ -102,8 +102,11 @@ class GovernorActor:
 
             profile = ProfileCache(cache_root() / "profiles").get(
                 ProfileKey.local(f"{fingerprint}-t1", c.read_bytes_per_s))
+        # Eq. 4' groups: RayRestorer sizes them per restore (one when nothing is recomputed), so the
+        # governor, which holds no model, plans with the in-process restorer's count for the default
+        # model (30 layers in groups of 6)
         self.gov = MemoryGovernor(reg, _Remote(io_handle), GovernorConfig(
-            pool_bytes=c.pool_bytes, chunk_tokens=c.chunk_tokens, policy=c.policy),
+            pool_bytes=c.pool_bytes, chunk_tokens=c.chunk_tokens, policy=c.policy, pipeline_groups=5),
             profile=profile, release=lambda ref: None)
         self.registry = reg
         from actors.metrics import Metrics

@@ -13,7 +13,7 @@ from pathlib import Path
 from actors.config import ServiceConfig
 from actors.executor import CallOutcome, InProcessRestorer, ModelExecutor
 from actors.governor import GovernorConfig, MemoryGovernor
-from actors.swapio import KVSwapIO
+from actors.swapio import KVSwapIO, layer_groups
 from engine.config import EngineConfig
 from engine.context import ContextEngine
 from scheduler.pipeline import CostProfile
@@ -54,13 +54,15 @@ class LocalService:
         self.io = KVSwapIO(str(root / "chunks"), fingerprint, ChunkStoreConfig(
             disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
             read_burst_bytes=config.read_burst_bytes))
+        restorer = InProcessRestorer(engine.model, self.io)
         self.governor = MemoryGovernor(
             self.registry, self.io,
             GovernorConfig(pool_bytes=config.pool_bytes, chunk_tokens=config.chunk_tokens, policy=config.policy,
-                           dtype="float32" if engine.model.dtype.is_floating_point and engine.model.dtype.itemsize == 4 else "bfloat16"),
+                           dtype="float32" if engine.model.dtype.is_floating_point and engine.model.dtype.itemsize == 4 else "bfloat16",
+                           pipeline_groups=len(layer_groups(engine.model.cfg.n_layers, restorer.group_layers))),
             profile=profile or self._profile(config, engine, fingerprint),
             clock=time.monotonic)
-        self.executor = ModelExecutor(engine, self.governor, InProcessRestorer(engine.model, self.io))
+        self.executor = ModelExecutor(engine, self.governor, restorer)
 
     @staticmethod
     def _profile(config: ServiceConfig, engine: ContextEngine, fingerprint: str) -> CostProfile:

@@ -1,8 +1,8 @@
 """Swap-recompute pipeline planner (LLMS §3.3, Eq. 4): which missing chunks to read, which to recompute.
 
 Restoring a context, the IO worker reads some missing chunks from disk while the recompute worker
-recomputes the others from their token ids, layer by layer, overlapped (Fig. 8). The switch costs
-about the slower of the two, so the planner minimises
+recomputes the others from their token ids, layer by layer, overlapped (Fig. 8). The paper's planner
+minimises
 
     pipelineDelay = max(T_re(#recomputed), T_io(bytes loaded))                              (Eq. 4)
 
@@ -16,20 +16,39 @@ de-quantized into the compute dtype before the switch ends (DESIGN.md §1), and 
 the chunk more than by the byte: its output is a whole chunk of float32 K/V whatever the level
 (measured, 2 cores, SmolLM2-135M: 0.14 ms a raw chunk, 0.21 q8, 0.24 q4, 0.29 q2, while the
 stored bytes shrink 8x from raw to q2). So the profile also measures ``T_dec``, a cost per chunk
-for each level; the loading side of Eq. 4 is ``T_io(bytes) + T_dec(chunks loaded)`` and a restore's
-predicted time adds ``T_dec`` of its resident chunks (decoded before the pipeline starts).
+for each level, and a restore's predicted time adds ``T_dec`` of its resident chunks (decoded
+before the pipeline starts).
+
+Which side of the pipeline pays ``T_dec`` follows the implementation (actors/recompute.py): the
+reader only reads; the consumer de-quantizes each streamed layer group and then recomputes the same
+layers, one after the other on one thread. So the two stages are
+
+    A = T_io(bytes loaded)                       (the reader)
+    B = T_re(#recomputed) + T_dec(chunks loaded)  (the consumer)
+
+and with the layers streamed in ``G`` groups a two-stage pipeline takes
+
+    T = max(A, B) + min(A, B) / G                                                    (Eq. 4')
+
+(the faster stage hides behind the slower one except for one group's worth: the first group's read
+before the consumer can start, or the last group's decode and recompute after the reads end).
+``G = 1`` is no overlap (``A + B``); ``G -> inf`` is the paper's ``max``. Measured (session 4,
+50 MB/s, 5 groups): a restore of 57 loaded and 5 recomputed chunks took 270 ms; the reads 180 ms,
+decode 25 ms and recompute 207 ms give 232 + 180/5 = 268 ms by Eq. 4', 207 by Eq. 4.
 
 Planning (§3.4 ii: recompute the heaviest, least-compressed chunks first). Chunks whose file is
 missing or corrupt are always recomputed (``must_recompute``: the Fault primitive). The others are
 sorted by what loading each one costs, ``d*nbytes + T_dec(its level)`` (with no decode costs:
 by stored bytes), largest first (ties: heavier level, then chunk index), and ``x = 0..n`` is
-scanned: recompute the first ``x``, load the rest. Because ``T_re`` depends only on the count and
-the loading side is a fixed cost plus a sum over the loaded chunks, for every count the dearest
-chunks to load are the best ones to recompute, so this scan is optimal over *all* subsets, not
-only for that order. On a slow disk the dearest to load are the heaviest chunks, as the paper says;
-from a fast one they can be the lightest (q2 de-quantizes slowest). Ties between counts go to the
-smaller ``x`` (less CPU taken from the model). With ``allow_recompute=False``
-(pipeline off: ``llms-no-pipeline`` and the swap baselines) everything with a file is loaded.
+scanned: recompute the first ``x``, load the rest, keep the ``x`` of least Eq. 4'. With no decode
+costs ``B`` depends only on the count and ``A`` only on the bytes loaded, so for every count the
+largest chunks are the best ones to recompute and the scan is optimal over *all* subsets
+(property-tested). With decode costs a chunk weighs on both stages and no single order is optimal
+for every instance; the scan is then a heuristic, tested never to be worse than recomputing
+nothing or everything. On a slow disk the dearest to load are the heaviest chunks, as the paper
+says; from a fast one they can be the lightest (q2 de-quantizes slowest). Ties between counts go to
+the smaller ``x`` (less CPU taken from the model). With ``allow_recompute=False`` (pipeline off:
+``llms-no-pipeline`` and the swap baselines) everything with a file is loaded.
 
 Deliberately not modelled: recompute of a late chunk attends to more tokens than an early one
 (``T_re`` is linear in the count only, as in the paper).
@@ -176,11 +195,6 @@ class CostProfile:
         dec = fit_decode(dp)
         return cls(fit_linear(rp, "recompute"), fit_linear(ip, "io"), rp, ip, dec, dp)
 
-    def load_cost(self, chunks: Iterable[MissingChunk]) -> float:
-        """The loading side of Eq. 4: read ``chunks`` and de-quantize them."""
-        chunks = list(chunks)
-        return self.io(sum(c.nbytes for c in chunks)) + self.decode(c.level for c in chunks)
-
     def to_json(self) -> str:
         return json.dumps({
             "version": PROFILE_VERSION,
@@ -295,14 +309,25 @@ class RestorePlan:
     recompute: tuple[int, ...]  # chunk indices to recompute from token ids, ascending
     load_bytes: int  # bytes read, as stored; bytes
     t_recompute: float  # predicted T_re(len(recompute)), seconds
-    t_io: float  # predicted T_io(load_bytes) + T_dec(loaded chunks), seconds
-    predicted: float  # predicted pipeline delay max(t_recompute, t_io), seconds
+    t_io: float  # predicted T_io(load_bytes): reading, seconds
+    t_decode: float  # predicted T_dec(loaded chunks): de-quantizing them on the consumer, seconds
+    predicted: float  # predicted pipeline delay, Eq. 4' over t_io and t_recompute + t_decode; seconds
     forced: int  # how many of ``recompute`` had no usable file (must_recompute)
+    groups: int = 1  # layer groups the pipeline was planned with
+
+
+def pipeline_delay(reader, consumer, groups: int):
+    """Eq. 4': a two-stage pipeline of ``groups`` equal groups, stage totals ``reader`` and
+    ``consumer`` (seconds; numpy arrays work elementwise)."""
+    return np.maximum(reader, consumer) + np.minimum(reader, consumer) / groups
 
 
 def plan_restore(missing: Sequence[MissingChunk], profile: CostProfile, *,
-                 must_recompute: Iterable[int] = (), allow_recompute: bool = True) -> RestorePlan:
-    """Split ``missing`` into load and recompute minimising Eq. 4 (see the module docstring)."""
+                 must_recompute: Iterable[int] = (), allow_recompute: bool = True,
+                 groups: int = 1) -> RestorePlan:
+    """Split ``missing`` into load and recompute minimising Eq. 4' over ``groups`` streamed layer
+    groups (see the module docstring)."""
+    count("groups", groups, 1)
     by_index: dict[int, MissingChunk] = {}
     for c in missing:
         i = count("chunk index", c.index)
@@ -325,15 +350,18 @@ def plan_restore(missing: Sequence[MissingChunk], profile: CostProfile, *,
     xs = np.arange(len(optional) + 1) if allow_recompute else np.zeros(1, dtype=np.int64)
     left = sizes.sum() - np.concatenate([[0.0], np.cumsum(sizes)])[xs]
     left_dec = decs.sum() - np.concatenate([[0.0], np.cumsum(decs)])[xs]
-    t_re = profile.recompute.many(xs + len(forced))
-    t_io = np.where(len(optional) - xs > 0, profile.io.many(left) + left_dec, 0.0)
-    x = int(xs[int(np.argmin(np.maximum(t_re, t_io)))])  # first minimum: fewest recomputed
+    loading = len(optional) - xs > 0
+    t_io = np.where(loading, profile.io.many(left), 0.0)
+    t_cons = profile.recompute.many(xs + len(forced)) + np.where(loading, left_dec, 0.0)
+    x = int(xs[int(np.argmin(pipeline_delay(t_io, t_cons, groups)))])  # first minimum: fewest recomputed
     recompute = sorted(forced | {c.index for c in optional[:x]})
     load = sorted(c.index for c in optional[x:])
     load_bytes = sum(by_index[i].nbytes for i in load)
-    t_r, t_i = profile.recompute(len(recompute)), profile.load_cost(by_index[i] for i in load)
-    return RestorePlan(tuple(load), tuple(recompute), load_bytes, t_r, t_i, max(t_r, t_i),
-                       len(forced))
+    t_r = profile.recompute(len(recompute))
+    t_i = profile.io(load_bytes) if load else 0.0
+    t_d = profile.decode(by_index[i].level for i in load)
+    return RestorePlan(tuple(load), tuple(recompute), load_bytes, t_r, t_i, t_d,
+                       float(pipeline_delay(t_i, t_r + t_d, groups)), len(forced), groups)
 
 
 class RestoreLog:

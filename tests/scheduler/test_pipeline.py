@@ -26,25 +26,31 @@ def profile(a=0.004, b=0.003, c=0.0005, d=1 / 50e6, dec=()) -> CostProfile:
     return CostProfile(LinearCost(a, b), LinearCost(c, d), decode=DecodeCost(tuple(dec)))
 
 
-def t_load(prof: CostProfile, chunks) -> float:  # read + de-quantize, written out
+def t_dec(prof: CostProfile, chunks) -> float:  # de-quantization of `chunks`, written out
     per = dict(prof.decode.per_level)
-    return t(prof.io, sum(c.nbytes for c in chunks)) + sum(per.get(c.level, max(per.values(), default=0.0))
-                                                            for c in chunks)
+    return sum(per.get(c.level, max(per.values(), default=0.0)) for c in chunks)
 
 
 def t(cost: LinearCost, x: float) -> float:  # the cost model written out independently
     return 0.0 if x == 0 else cost.intercept + cost.slope * x
 
 
-def brute_force(missing, prof, forced, allow):
-    """Best max(T_re, T_io) over every subset that recomputes all forced chunks."""
+def delay(prof, n_re, loaded, groups) -> float:
+    """Eq. 4' written out: reader A = T_io, consumer B = T_re + T_dec(loaded), G groups."""
+    a = t(prof.io, sum(c.nbytes for c in loaded)) if loaded else 0.0
+    b = t(prof.recompute, n_re) + t_dec(prof, loaded)
+    return max(a, b) + min(a, b) / groups
+
+
+def brute_force(missing, prof, forced, allow, groups):
+    """Best Eq. 4' over every subset that recomputes all forced chunks."""
     best = math.inf
     optional = [c for c in missing if c.index not in forced]
     sizes = range(len(optional) + 1) if allow else [0]
     for k in sizes:
         for chosen in itertools.combinations(optional, k):
-            n_re = len(forced) + k
-            best = min(best, max(t(prof.recompute, n_re), t_load(prof, [c for c in optional if c not in chosen])))
+            loaded = [c for c in optional if c not in chosen]
+            best = min(best, delay(prof, len(forced) + k, loaded, groups))
     return best
 
 
@@ -52,30 +58,55 @@ chunks = st.lists(st.tuples(st.sampled_from(sorted(LEVEL_BYTES)), st.integers(1,
                   max_size=9)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(chunks, st.data(), st.floats(1e6, 1e9), st.floats(0, 0.05), st.floats(1e-4, 0.02),
-       st.booleans(), st.dictionaries(st.sampled_from(["raw", "q8", "q4"]), st.floats(0, 0.01)))
-def test_plan_is_optimal_over_all_subsets(raw, data, bps, a, b, allow, dec):
+       st.booleans(), st.dictionaries(st.sampled_from(["raw", "q8", "q4"]), st.floats(0, 0.01)),
+       st.integers(1, 8))
+def test_plan_against_all_subsets(raw, data, bps, a, b, allow, dec, groups):
+    """Without decode costs the plan is optimal over all subsets; with them (a chunk weighs on both
+    stages) it is never worse than loading every optional chunk or recomputing them all, and never
+    claims better than the optimum."""
     missing = [MissingChunk(i, lv, n) for i, (lv, n) in enumerate(raw)]
     forced = set(data.draw(st.sets(st.sampled_from(range(len(raw)))) if raw else st.just(set())))
     prof = profile(a=a, b=b, d=1 / bps, dec=sorted(dec.items()))
-    plan = plan_restore(missing, prof, must_recompute=forced, allow_recompute=allow)
+    plan = plan_restore(missing, prof, must_recompute=forced, allow_recompute=allow, groups=groups)
     assert sorted(plan.load + plan.recompute) == list(range(len(raw)))
     assert set(plan.load).isdisjoint(plan.recompute)
-    assert forced <= set(plan.recompute) and plan.forced == len(forced)
+    assert forced <= set(plan.recompute) and plan.forced == len(forced) and plan.groups == groups
     if not allow:
         assert set(plan.recompute) == forced
-    assert plan.load_bytes == sum(missing[i].nbytes for i in plan.load)
+    loaded = [missing[i] for i in plan.load]
+    assert plan.load_bytes == sum(c.nbytes for c in loaded)
     assert plan.t_recompute == pytest.approx(t(prof.recompute, len(plan.recompute)))
-    assert plan.t_io == pytest.approx(t_load(prof, [missing[i] for i in plan.load]))
-    assert plan.predicted == max(plan.t_recompute, plan.t_io)
-    assert plan.predicted == pytest.approx(brute_force(missing, prof, forced, allow), rel=1e-12)
+    assert plan.t_io == pytest.approx(t(prof.io, plan.load_bytes) if loaded else 0.0)
+    assert plan.t_decode == pytest.approx(t_dec(prof, loaded))
+    assert plan.predicted == pytest.approx(delay(prof, len(plan.recompute), loaded, groups), rel=1e-12)
+    best = brute_force(missing, prof, forced, allow, groups)
+    assert plan.predicted >= best * (1 - 1e-12)
+    if not any(v > 0 for v in dec.values()):
+        assert plan.predicted == pytest.approx(best, rel=1e-12)
+    optional = [c for c in missing if c.index not in forced]
+    assert plan.predicted <= delay(prof, len(forced), optional, groups) * (1 + 1e-12)
+    if allow:
+        assert plan.predicted <= delay(prof, len(raw), [], groups) * (1 + 1e-12)
+
+
+def test_groups_interpolate_between_serial_and_the_papers_max():
+    """G = 1 is no overlap (A + B); many groups approach max(A, B)."""
+    missing = [MissingChunk(i, "q8", LEVEL_BYTES["q8"]) for i in range(6)]
+    prof = profile(d=1 / 20e6, dec=[("q8", 0.001)])
+    one = plan_restore(missing, prof, must_recompute={0}, allow_recompute=False, groups=1)
+    many = plan_restore(missing, prof, must_recompute={0}, allow_recompute=False, groups=1000)
+    a, b = one.t_io, one.t_recompute + one.t_decode
+    assert a > 0 and b > 0
+    assert one.predicted == pytest.approx(a + b)
+    assert many.predicted == pytest.approx(max(a, b), rel=1e-3)
 
 
 def test_heaviest_chunks_are_recomputed_first():
     missing = [MissingChunk(i, lv, LEVEL_BYTES[lv])
                for i, lv in enumerate(["q2", "q8", "raw", "q4", "q8", "q2", "fp16", "q4"])]
-    plan = plan_restore(missing, profile(d=1 / 20e6))
+    plan = plan_restore(missing, profile(d=1 / 20e6), groups=5)
     assert 0 < len(plan.recompute) < len(missing)
     heaviest_loaded = max(LEVEL_BYTES[missing[i].level] for i in plan.load)
     lightest_recomputed = min(LEVEL_BYTES[missing[i].level] for i in plan.recompute)
@@ -173,7 +204,7 @@ def test_decode_cost_per_chunk_decides_what_to_recompute():
     prof = profile(a=0.0, b=0.002, d=1e-12, dec=[("q2", 0.005), ("q8", 0.001), ("raw", 0.0005)])
     dear = plan_restore(missing, prof)
     assert dear.recompute == (0, 2) and dear.load == (1, 3)
-    assert dear.t_io == pytest.approx(t_load(prof, [missing[1], missing[3]]))
+    assert dear.t_decode == pytest.approx(0.0005 + 0.001)  # the raw and q8 chunks loaded
 
 
 def test_fit_decode_per_level():
