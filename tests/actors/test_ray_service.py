@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import ray
 
 from actors.service import ServiceConfig
 from engine.config import EngineConfig
@@ -61,6 +62,30 @@ def test_lossless_on_ray_survives_restart_and_lost_files(ray_cluster, reference,
     outs = [svc.call(tok, c, LAST, max_tokens=8) for c in ctxs]
     assert [o["token_ids"] for o in outs] == reference[2]
     assert outs[0]["restore"]["recomputed"] >= 1 or outs[0]["restore"]["faults"] >= 1
+    svc.shutdown()
+
+
+def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, reference, tmp_path):
+    """The Fault primitive in a restore that also decodes resident chunks and loads others: the files
+    of the loaded ones are corrupt, so they are recomputed after the resident ones are in (recompute
+    attends to them); the replies are still exactly the engine's."""
+    svc = start(tmp_path, "vllm-s", "t-mixed", pool_bytes=7 << 20)  # ~9 raw chunks: 4 contexts don't fit
+    tok = svc.bind("app")
+    ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
+    assert [svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)] == reference[0]
+    mixed = []
+    for k, c in enumerate(ctxs):
+        ray.get(svc.executor.flush.remote())  # the last write-back done: nothing rewrites the files corrupted here
+        for f in (tmp_path / "chunks" / c).glob("*.kvc"):  # flip one payload byte: its checksum fails
+            b = bytearray(f.read_bytes())
+            b[-100] ^= 0xFF
+            f.write_bytes(bytes(b))
+        o = svc.call(tok, c, FOLLOW[k], max_tokens=8)
+        assert o["token_ids"] == reference[1][k]
+        r = o["restore"]
+        assert r["recomputed"] >= r["faults"]
+        mixed.append(r["resident"] >= 1 and r["faults"] >= 1)
+    assert any(mixed), "no restore had both resident chunks and a failing load"
     svc.shutdown()
 
 
