@@ -4,9 +4,10 @@ token (DESIGN.md §6). `llmaas serve` reads them before it imports Ray."""
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
+
+from storage.registry import new_token
 
 
 @dataclass(slots=True)
@@ -28,7 +29,7 @@ class ServerConfig:
     """Model path (empty: the embedded default)."""
 
 
-def private_secret(path: Path, make=lambda: secrets.token_urlsafe(32)) -> str:
+def private_secret(path: Path, make=new_token) -> str:
     """The secret kept in `path`, created by `make()` with mode 0600 the first time."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

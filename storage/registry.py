@@ -93,6 +93,13 @@ class ChunkState(str, enum.Enum):
         return self in (ChunkState.SWAPPED, ChunkState.BOTH)
 
 
+def new_token() -> str:
+    """A bearer token: 256 random bits, URL-safe, behind a fixed prefix. The prefix makes tokens
+    recognisable and keeps them from starting with '-' (a bare `token_urlsafe` does one time in 64,
+    and `llmaas ... --token -xyz` is then read as a missing argument)."""
+    return "llmaas_" + secrets.token_urlsafe(32)
+
+
 @dataclass(frozen=True, slots=True)
 class RegistryConfig:
     """Tunables of the registry."""
@@ -239,7 +246,7 @@ class Registry:
         """Register an app and return its bearer token (only its sha256 is stored)."""
         if not isinstance(name, str) or not 1 <= len(name) <= 128 or not name.isprintable():
             raise InvalidKeyError("app name must be 1-128 printable characters")
-        token = secrets.token_urlsafe(32)
+        token = new_token()
         with self.transaction():
             try:
                 self._q("INSERT INTO apps VALUES (?, ?, ?)", (name, self._hash(token), self._clock()))

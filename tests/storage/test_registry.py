@@ -78,6 +78,8 @@ def test_wal_mode_and_schema(tmp_path, reg):
 def test_apps_store_only_the_token_hash(tmp_path, reg, clock):
     token = reg.create_app("notes")
     assert reg.app_for_token(token) == "notes"
+    # a fixed prefix, so a token never starts with '-' (CLI flags) and is recognisable; 256 random bits
+    assert token.startswith("llmaas_") and len(token) == len("llmaas_") + 43
     (name, stored, created), = rows(tmp_path / "reg.db")["apps"]
     assert stored == hashlib.sha256(token.encode()).hexdigest() and token not in stored
     assert created == 1001.0
