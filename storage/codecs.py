@@ -53,7 +53,9 @@ Work arrays come from per-thread scratch (a fresh large array costs a page fault
 numpy converts between float32 and float16 one value at a time (~2.5 ns each), so when the process
 has imported torch (every process that runs the model has; this module never imports it) those
 casts run in torch's vectorised kernels: the fp16 level (~5x faster) and the fp16 scales and zero
-points of the quantized levels (~40 us less per chunk). The bytes are the same either way.
+points of the quantized levels (~40 us less per chunk), and float32 decodes of raw and quantized
+chunks, which run on the process's torch threads (q8/q4/q2/raw 0.15/0.20/0.18/0.10 ms a chunk on
+2 cores against numpy's 0.28/0.32/0.34/0.145). The bytes are the same either way.
 :func:`encode_many` / :func:`decode_many` take an executor: numpy and torch release the GIL.
 
 This module deliberately knows nothing about files, lz4, headers or which level a chunk should get:
@@ -302,7 +304,11 @@ class _Raw(_Codec):
 
     def decode(self, enc, out):
         src = enc.payload.view(COMPUTE_DTYPES[enc.dtype]).reshape(enc.shape)
-        np.copyto(out, src)
+        t = _torch(out, src) if enc.dtype == "float32" else None
+        if t is None:
+            np.copyto(out, src)
+        else:  # torch copies on the process's threads (1.4x faster on 2 cores), numpy on one
+            t.from_numpy(out).copy_(t.from_numpy(src))
 
 
 class _Half(_Codec):
@@ -456,6 +462,10 @@ class _Quant(_Codec):
         pv = enc.payload[:, :p_nbytes].view(pdt)
         z = _params_f32(pv[:, :c])  # [L, C]
         s = _params_f32(pv[:, c:])  # [L, C]
+        torch = _torch(out) if enc.dtype == "float32" and t % self.group == 0 else None
+        if torch is not None:
+            self._decode_torch(torch, enc, z, s, out)
+            return
         packed = enc.payload[:, p_nbytes:]
         if self.bits == 8:
             q = packed
@@ -480,6 +490,34 @@ class _Quant(_Codec):
             np.copyto(out, xv)
         else:
             _store_f32(xv, out, enc.dtype)
+
+    def _decode_torch(self, torch, enc: EncodedChunk, z: np.ndarray, s: np.ndarray,
+                      out: np.ndarray) -> None:
+        """The float32 decode in torch, straight into ``out``: one broadcast shift and mask unpack
+        the packed parts (token ranges, since T is a multiple of the values per byte) into a
+        token-major uint8 array, one transposing copy widens it into ``out``, then one
+        ``out = out*s + z``.
+
+        Why: numpy's path makes four passes over a float32 scratch copy on one core (~0.28 ms a
+        q8 chunk); this one makes two over ``out`` on the process's torch threads (~0.15 ms on
+        2 cores, ~0.25 on one). Same arithmetic (a product, then a sum, each rounded), so the
+        same values as numpy's path (tested).
+        """
+        nl, _, h, t, d = enc.shape
+        payload = enc.payload
+        if not _wrappable(payload):  # read-only (object store, mapped file): copy the small payload
+            payload = _scratch.get("payload", payload.shape, _U8)
+            np.copyto(payload, enc.payload)
+        p_nbytes = payload.shape[1] - self._packed(t * 2 * h * d)
+        packed = torch.from_numpy(payload)[:, p_nbytes:]
+        o = torch.from_numpy(out)
+        if self.bits < 8:  # [L, parts, N/parts]: part k holds tokens k*T/parts .. (k+1)*T/parts
+            shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8).view(1, self.group, 1)
+            packed = (packed.unsqueeze(1) >> shifts) & self.qmax
+        o.copy_(packed.reshape(nl, t, 2, h, d).permute(0, 2, 3, 1, 4))
+        zt = torch.from_numpy(z).view(nl, 2, h, 1, d)
+        st = torch.from_numpy(s).view(nl, 2, h, 1, d)
+        torch.addcmul(zt, o, st, out=o)
 
     def scales(self, enc: EncodedChunk) -> np.ndarray:
         """Stored per-channel scales [L,2,H,1,D] as float32 (the error bound is half of them)."""
