@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from scheduler.eviction import EvictionQueue
 from scheduler.pipeline import CostProfile, MissingChunk, RestoreLog, plan_restore
 from scheduler.policies import PolicySet, get_policy
 from storage import codecs
-from storage.registry import ChunkState, Registry
+from storage.registry import ChunkRow, ChunkState, Registry
 
 
 @dataclass(slots=True)
@@ -362,6 +362,7 @@ class MemoryGovernor:
         wrote = 0
         for c, idxs in by_ctx.items():
             book = self.books[c]
+            todo = []
             if self.policy.on_pressure == "swap":
                 todo = [(i, book.chunks[i].handle, i * self.cfg.chunk_tokens) for i in idxs if book.chunks[i].file is None]
                 wrote += len(todo)
@@ -375,7 +376,8 @@ class MemoryGovernor:
                 self.stats["evictions"] += 1
                 if ch.file is None:  # killed: nothing left but the token ids
                     book.chunks.pop(i)
-            self._persist_rows(c, book)
+            # only the evicted rows changed; without a new file, nothing a restart would keep
+            self._persist_rows(c, book, idxs, durable=bool(todo))
         return len(victims), wrote
 
     def _write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> None:
@@ -388,19 +390,25 @@ class MemoryGovernor:
             ch.file, ch.file_nbytes, ch.checksum = meta["name"], meta["nbytes"], meta["checksum"]
             self.stats["swap_out_bytes"] += meta["nbytes"]
 
-    def _persist_rows(self, ctx: str, book: CtxBook) -> None:
-        with self.registry.transaction():
-            for i, ch in book.chunks.items():
-                if ch.file and ch.handle is not None:
-                    state = ChunkState.BOTH
-                elif ch.file:
-                    state = ChunkState.SWAPPED
-                elif ch.handle is not None:
-                    state = ChunkState.RESIDENT
-                else:
-                    state = ChunkState.MISSING
-                self.registry.upsert_chunk(ctx, i, state=state, level=ch.level, file=ch.file,
-                                           checksum=ch.checksum, nbytes=ch.file_nbytes, density=ch.density)
+    def _persist_rows(self, ctx: str, book: CtxBook, indices: Iterable[int] | None = None,
+                      durable: bool = True) -> None:
+        """Write the rows of `ctx`'s chunks (all, or those of `indices` still in the book) to the
+        registry in one transaction (`Registry.upsert_chunks`)."""
+        rows = []
+        for i in book.chunks if indices is None else indices:
+            ch = book.chunks.get(i)
+            if ch is None:
+                continue
+            if ch.file and ch.handle is not None:
+                state = ChunkState.BOTH
+            elif ch.file:
+                state = ChunkState.SWAPPED
+            elif ch.handle is not None:
+                state = ChunkState.RESIDENT
+            else:
+                state = ChunkState.MISSING
+            rows.append(ChunkRow(i, state, ch.level, ch.file, ch.checksum, ch.file_nbytes, ch.density))
+        self.registry.upsert_chunks(ctx, rows, durable=durable)
 
     # ---- reporting ---------------------------------------------------------------------------------
     def pool_report(self) -> dict:

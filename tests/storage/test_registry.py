@@ -13,7 +13,7 @@ from storage import codecs as C
 from storage.chunkfile import ChunkStore
 from storage.errors import (AppExistsError, ContextLimitError, InvalidKeyError, UnknownAppError,
                             UnknownChunkError, UnknownContextError, UnknownLevelError)
-from storage.registry import ChunkState, Registry, RegistryConfig
+from storage.registry import ChunkRow, ChunkState, Registry, RegistryConfig
 from tests.storage.helpers import synthetic_kv
 
 FP = "registry-test-model"
@@ -210,6 +210,30 @@ def test_chunk_rows_and_states(reg, store, clock):
         reg.mark_chunks(ctx, [0], "swapped")  # no file to be swapped to
     with pytest.raises(UnknownChunkError):
         reg.chunk(ctx, 9)
+
+
+def test_upsert_chunks_writes_a_batch_all_or_nothing(tmp_path, reg, store):
+    reg.create_app("a")
+    ctx = reg.create_context("a")
+    reg.upsert_chunk(ctx, 0, state="resident", level="q8", density=0.5)
+    got = reg.upsert_chunks(ctx, [ChunkRow(0, "missing", "q8"), ChunkRow(1, "resident", "q4", density=0.25),
+                                  ChunkRow(2, ChunkState.RESIDENT, "q2")])
+    assert [(r.index, r.state, r.level, r.density) for r in got] == [
+        (0, ChunkState.MISSING, "q8", 0.5), (1, ChunkState.RESIDENT, "q4", 0.25), (2, ChunkState.RESIDENT, "q2", 0.0)]
+    assert reg.chunks(ctx) == got  # what it returns is what is stored
+    before = rows(tmp_path / "reg.db")
+    for bad, err in [(ChunkRow(7, "resident", "int3"), UnknownLevelError), (ChunkRow(7, "swapped", "q8"), ValueError),
+                     (ChunkRow(-1, "resident", "q8"), InvalidKeyError)]:
+        with pytest.raises(err):  # a bad row late in a batch: the rows before it are not written
+            reg.upsert_chunks(ctx, [ChunkRow(0, "resident", "raw"), ChunkRow(3, "resident", "raw"), bad])
+    with pytest.raises(UnknownContextError):
+        reg.upsert_chunks("f" * 32, [ChunkRow(0, "resident", "raw")], durable=False)
+    assert rows(tmp_path / "reg.db") == before
+    # an eviction batch without fsync: committed (other connections see it), and the next
+    # transactions are durable again
+    reg.upsert_chunks(ctx, [ChunkRow(1, "missing", "q4")], durable=False)
+    assert reg._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert rows(tmp_path / "reg.db") != before and reg.chunk(ctx, 1).state == ChunkState.MISSING
 
 
 def test_drop_resident_after_restart(reg, store):
