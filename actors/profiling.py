@@ -21,6 +21,10 @@ from scheduler.pipeline import CostProfile, ProfileCache, ProfileKey
 from storage import codecs
 from storage.chunkfile import ChunkStore, ChunkStoreConfig
 
+#: part of a cached profile's identity: bump it when a change makes the measured paths (recompute,
+#: chunk reads, de-quantizing) materially faster or slower, so cached profiles are measured again
+#: (2: de-quantizing in torch, 1.7-1.9x faster)
+PROFILE_VERSION = 2
 PROFILE_TOKENS = 1024
 RECOMPUTE_POINTS = (1, 2, 4, 8)
 IO_LEVELS = ("q2", "q4", "q8", "fp16", "raw")
@@ -80,16 +84,20 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
     return CostProfile.fit(rec, io, dec)
 
 
+def profile_key(fingerprint: str, threads: int, chunk_tokens: int, read_bytes_per_s: float) -> ProfileKey:
+    """The cache identity of a profile (this machine is part of `ProfileKey.local`). The thread count
+    is part of it (a 1-thread recompute worker costs twice a 2-thread one), so is the chunk size
+    (T_re counts chunks, T_dec costs a chunk) and PROFILE_VERSION."""
+    return ProfileKey.local(f"{fingerprint}-t{threads}-c{chunk_tokens}-v{PROFILE_VERSION}", read_bytes_per_s)
+
+
 def load_or_measure(model, fingerprint: str, *, read_bytes_per_s: float = 0.0, refresh: bool = False,
                     root: Path | None = None, progress: bool = True) -> CostProfile:
     """The cached profile for this machine, model and throttle; measured and cached when missing."""
     import torch
 
     cache = ProfileCache(root or cache_root() / "profiles")
-    # the thread count is part of the identity: a 1-thread recompute worker costs twice a 2-thread one;
-    # so is the chunk size: T_re counts chunks and T_dec costs a chunk
-    key = ProfileKey.local(f"{fingerprint}-t{torch.get_num_threads()}-c{model.engine_cfg.chunk_tokens}",
-                           read_bytes_per_s)
+    key = profile_key(fingerprint, torch.get_num_threads(), model.engine_cfg.chunk_tokens, read_bytes_per_s)
     prof = None if refresh else cache.get(key)
     if prof is None:
         prof = measure(model, read_bytes_per_s=read_bytes_per_s, progress=progress)

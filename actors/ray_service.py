@@ -97,11 +97,12 @@ class GovernorActor:
         if c.profile:
             profile = CostProfile.from_json(c.profile)
         else:  # what the executor measured (one torch thread), if it has already: after a restart
+            from actors.profiling import profile_key
             from engine.loader import cache_root
-            from scheduler.pipeline import ProfileCache, ProfileKey
+            from scheduler.pipeline import ProfileCache
 
             profile = ProfileCache(cache_root() / "profiles").get(
-                ProfileKey.local(f"{fingerprint}-t1", c.read_bytes_per_s))
+                profile_key(fingerprint, 1, c.chunk_tokens, c.read_bytes_per_s))
         # Eq. 4' groups: RayRestorer sizes them per restore (one when nothing is recomputed), so the
         # governor, which holds no model, plans with the in-process restorer's count for the default
         # model (30 layers in groups of 6)

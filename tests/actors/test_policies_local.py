@@ -186,3 +186,19 @@ def test_overflow_inside_the_service_keeps_kv_and_density_consistent(small_engin
     # the write-back thread ran torch (K/V export, fp16 casts) on its own thread only (engine/threads.py)
     assert svc.executor._bg.submit(torch.get_num_threads).result() == 1
     svc.close()
+
+
+def test_cached_profile_is_found_under_the_key_every_reader_uses(tmp_path):
+    """The executor stores its measured profile with `load_or_measure`; the Ray governor, which holds
+    no model, reads it back with `profile_key` (with one thread, as the Ray executor runs). A stored
+    profile is returned without measuring (the stub model cannot be measured)."""
+    from types import SimpleNamespace
+
+    from actors.profiling import load_or_measure, profile_key
+    from scheduler.pipeline import ProfileCache
+
+    prof = CostProfile.from_json(PROFILE)
+    ProfileCache(tmp_path).put(profile_key("fp", torch.get_num_threads(), 16, 50e6), prof)
+    stub = SimpleNamespace(engine_cfg=SimpleNamespace(chunk_tokens=16))
+    assert load_or_measure(stub, "fp", read_bytes_per_s=50e6, root=tmp_path).to_json() == prof.to_json()
+    assert ProfileCache(tmp_path).get(profile_key("fp", torch.get_num_threads(), 16, 0.0)) is None
