@@ -62,14 +62,32 @@ def real_kv(engine):
     return np.ascontiguousarray(kv, dtype=np.float32)
 
 
+# Four logical CPUs: the session's Serve application holds two (executor, recompute worker) while other
+# tests start their own actors; each actor still runs one torch thread.
+RAY_INIT = dict(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray for the whole test session (no dashboard). Four logical CPUs: the session's Serve
-    application holds two (executor, recompute worker) while other tests start their own actors; each
-    actor still runs one torch thread."""
+    """One local Ray for the whole test session (no dashboard)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(**RAY_INIT)
     yield ray
     ray.shutdown()
+
+
+def restart_ray() -> None:
+    """Stop the session's local Ray (GCS, raylet, object store, every actor) and start a new one, for
+    the test that contexts outlive a full Ray restart. Refused once the session's Serve application
+    runs (it would not survive); the default test order runs tests/actors before tests/deploy."""
+    import ray
+
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    if "SERVE_CONTROLLER_ACTOR" in names:
+        pytest.fail("restart_ray() would stop the session's Serve application; run tests/actors first")
+    node = ray.get_runtime_context().get_node_id()
+    ray.shutdown()
+    ray.init(**RAY_INIT)
+    assert ray.get_runtime_context().get_node_id() != node  # a new cluster, not a reconnect

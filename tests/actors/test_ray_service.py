@@ -1,4 +1,4 @@
-"""The context service as Ray actors on one local Ray: lossless equality, persistence across a service
+"""The context service as Ray actors on one local Ray: lossless equality, persistence across a full Ray
 restart, the fault primitive, and the swap-recompute pipeline overlapping IO with recompute."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from actors.service import ServiceConfig
 from engine.config import EngineConfig
 from engine.context import ContextEngine
 from scheduler.pipeline import CostProfile
+from tests.conftest import restart_ray
 
 PROMPTS = [
     "Describe a lighthouse at night in two sentences.",
@@ -42,7 +43,7 @@ def start(tmp, policy, prefix, **kw):
     return RayService(cfg, prefix=prefix)
 
 
-def test_lossless_on_ray_survives_restart_and_lost_files(ray_cluster, reference, tmp_path):
+def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster, reference, tmp_path):
     svc = start(tmp_path, "vllm-s", "t-lossless", pool_bytes=3 << 20)  # about 1 of 4 contexts raw
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
@@ -54,11 +55,13 @@ def test_lossless_on_ray_survives_restart_and_lost_files(ray_cluster, reference,
     assert all(o["switch_ms"] > 0 for o in outs)
     svc.shutdown()
 
-    # lose one chunk file of the first context: the fault primitive recomputes it from token ids
+    # a full Ray restart (nothing of the old cluster survives: actors, object store, GCS), and one
+    # chunk file of the first context lost meanwhile: the fault primitive recomputes it from token ids
+    restart_ray()
     files = sorted((tmp_path / "chunks" / ctxs[0]).glob("*.kvc"))
     assert files
     files[1].unlink()
-    svc = start(tmp_path, "vllm-s", "t-lossless2", pool_bytes=3 << 20)  # a new set of actors
+    svc = start(tmp_path, "vllm-s", "t-lossless2", pool_bytes=3 << 20)
     outs = [svc.call(tok, c, LAST, max_tokens=8) for c in ctxs]
     assert [o["token_ids"] for o in outs] == reference[2]
     assert outs[0]["restore"]["recomputed"] >= 1 or outs[0]["restore"]["faults"] >= 1
