@@ -314,14 +314,32 @@ def summarise(records: Sequence[CallRecord]) -> dict:
     }
 
 
+def code_version() -> str:
+    """The project's git commit (12 hex digits, ``+dirty`` with uncommitted changes to tracked
+    files), or ``unknown`` outside a git checkout: results of a resumed set may come from several."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def run_meta(command: str) -> dict:
-    """What a summary records about the run: the exact command line, the date and the machine."""
+    """What a summary records about the run: the exact command line, the date, the machine and the
+    code's commit."""
     return {
         "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "machine": platform.machine(),
                     "processor": platform.processor(), "cpu_count": os.cpu_count(),
                     "python": platform.python_version()},
+        "code": code_version(),
     }
 
 

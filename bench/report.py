@@ -353,6 +353,9 @@ def set_header(sr: SetResults) -> str:
     when = f"runs {dates[0]} to {dates[-1]}" if dates else "no run yet"
     miss = (f"**{sr.missing} of {len(sr.runs)} runs missing** (blank cells; rerun the command to continue)."
             if sr.missing else f"All {len(sr.runs)} runs present.")
+    codes = sorted({s.get("code", "unknown") for s in sr.summaries.values()})
+    if codes:
+        miss += f" Code: {', '.join(codes)}" + (" (runs of several commits)." if len(codes) > 1 else ".")
     return (f"Command: `{m['command']}` (started {m['date']}; {when}). Machine: {mach['cpu_count']} cores, "
             f"{mach['machine']}, {mach['platform']}; one process. Each run: one policy on a fresh service, "
             f"{o['calls']} calls, max_tokens {o['max_tokens']}, histories {o['history_tokens'][0]}-"

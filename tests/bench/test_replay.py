@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import statistics
 
 import pytest
@@ -127,6 +128,8 @@ def test_tiny_replay_summary_matches_the_csv(results_dir):
     assert s["kv_budget_bytes"] == result.kv_budget_bytes > 0
     assert s["machine"]["cpu_count"] == os.cpu_count()
     assert s["command"] == "pytest tiny replay" and s["date"]
+    # the code's commit: this checkout's HEAD (a fresh clone in CI), or "unknown" outside git
+    assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?|unknown", s["code"])
     assert s["trace"] == {"pattern": "markov", "contexts": 3, "calls": N_CALLS, "trace_calls": N_CALLS,
                           "rate_per_s": trace.config.rate_per_s, "seed": 1, "file": "trace.jsonl"}
     for p in POLICIES:
