@@ -54,7 +54,7 @@ numpy converts between float32 and float16 one value at a time (~2.5 ns each), s
 has imported torch (every process that runs the model has; this module never imports it) those
 casts run in torch's vectorised kernels: the fp16 level (~5x faster) and the fp16 scales and zero
 points of the quantized levels (~40 us less per chunk), and float32 decodes of raw and quantized
-chunks, which run on the process's torch threads (q8/q4/q2/raw 0.15/0.20/0.18/0.10 ms a chunk on
+chunks, which run on the process's torch threads (q8/q4/q2/raw 0.12/0.15/0.16/0.07 ms a chunk on
 2 cores against numpy's 0.28/0.32/0.34/0.145). The bytes are the same either way.
 :func:`encode_many` / :func:`decode_many` take an executor: numpy and torch release the GIL.
 
@@ -500,7 +500,7 @@ class _Quant(_Codec):
 
         Why: numpy's path makes four passes over a float32 scratch copy on one core (~0.28 ms a
         q8 chunk); this one makes two over ``out`` on the process's torch threads (~0.15 ms on
-        2 cores, ~0.25 on one), and few enough small ops that a chunk's fixed cost stays ~15 us.
+        2 cores, ~0.25 on one), and few enough small ops that a chunk's fixed cost stays ~25 us.
         Same arithmetic (a product, then a sum, each rounded), so the same values as numpy's path
         (tested).
         """
