@@ -2,9 +2,10 @@
 
 The database runs in WAL mode with ``synchronous=FULL``: a committed transaction survives a crash
 of the process (and of the machine), and reopening after a crash gives the state of the last
-committed transaction (the one exception, eviction rows a restart discards anyway, is
-:meth:`Registry.upsert_chunks` with ``durable=False``). Every public method is one transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``);
-``with registry.transaction():`` groups several into one, all-or-nothing.
+committed transaction (one exception: eviction rows a restart discards anyway, written by
+:meth:`Registry.upsert_chunks` with ``durable=False``). Every public method is one transaction
+(``BEGIN IMMEDIATE`` ... ``COMMIT``); ``with registry.transaction():`` groups several into one,
+all-or-nothing.
 
 Tables::
 
@@ -243,17 +244,19 @@ class Registry:
                 return
             if not durable:
                 self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("BEGIN IMMEDIATE")
-            self._depth = 1
             try:
-                yield
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            else:
-                self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                self._depth = 1
+                try:
+                    yield
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                else:
+                    self._db.execute("COMMIT")
+                finally:
+                    self._depth = 0
             finally:
-                self._depth = 0
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")
 
