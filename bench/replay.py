@@ -316,15 +316,16 @@ def summarise(records: Sequence[CallRecord]) -> dict:
 
 def code_version() -> str:
     """The project's git commit (12 hex digits, ``+dirty`` with uncommitted changes to tracked
-    files), or ``unknown`` outside a git checkout: results of a resumed set may come from several."""
+    files outside ``docs/``, where results are written), or ``unknown`` outside a git checkout:
+    results of a resumed set may come from several."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"],
+                               cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
