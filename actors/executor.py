@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from actors.governor import CallPlan
-from actors.recompute import RestoreStats
+from actors.recompute import RestoreStats, stage_seconds
 from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, Context as EngineContext
 from engine.density import DensityTracker
@@ -47,6 +47,9 @@ class CallOutcome:
     """Context switching latency (DESIGN.md §1)."""
     restore: RestoreStats
     predicted_restore_ms: float
+    """The planner's prediction of the restore, ms (0 for a hit)."""
+    model_restore_ms: float
+    """The one-shot profile's own prediction of it, without online correction, ms."""
     ttft_s: float
     """Time to first token from the call's arrival at the executor (switch included), seconds."""
     total_s: float
@@ -96,12 +99,17 @@ class InProcessRestorer:
             return self._pipelined(ws, plan), []
         stats = RestoreStats()
         kv = ws.kv.numpy() if ws.device.type == "cpu" else None
+        t = time.monotonic()
         jobs = [self._submit(_decode_into, ws, kv, i, self.resolve(handle)) for i, _level, handle in plan.resident]
+        stats.timeline.append(("resident", -1, t, time.monotonic()))  # with a pool: handing the work out
         stats.resident += len(plan.resident)
         loaded = []
         recompute = list(plan.recompute)
         if plan.load:
+            t = time.monotonic()
             got, failed = self.io.read(plan.ctx, [i for i, _, _ in plan.load])
+            stats.timeline.append(("read", -1, t, time.monotonic()))
+            t = time.monotonic()
             for i, enc in got.items():
                 jobs.append(self._submit(_decode_into, ws, kv, i, enc))
                 loaded.append((i, enc, enc.nbytes))
@@ -110,9 +118,12 @@ class InProcessRestorer:
             stats.faults += len(failed)
             stats.failed.update(failed)
             recompute += list(failed)
+        else:
+            t = time.monotonic()
         for j in jobs:
             if j is not None:
                 j.result()
+        stats.timeline.append(("decode", -1, t, time.monotonic()))  # with a pool: what the reads did not hide
         if recompute:
             t = time.monotonic()
             self.model.recompute(ws, plan.token_ids, sorted(recompute))
@@ -247,7 +258,7 @@ class ModelExecutor:
                     stats.seconds = time.perf_counter() - tr
                 switch_ms = (time.perf_counter() - t0) * 1000
                 if not cached:
-                    self.gov.record_restore(plan.predicted_s, stats.seconds)
+                    self.gov.record_restore(ctx_id, stats.seconds, stage_seconds(stats.timeline))
                 ectx = self._engine_context(plan)
                 old_kv, old_overflows = ectx.cache.length, ectx.overflows
                 t_engine = time.perf_counter()
@@ -284,6 +295,7 @@ class ModelExecutor:
             switch_ms=switch_ms,
             restore=stats,
             predicted_restore_ms=plan.predicted_s * 1000 if not cached else 0.0,
+            model_restore_ms=plan.model_predicted_s * 1000 if not cached else 0.0,
             ttft_s=t_engine - t0 + r.ttft_s,  # from the call's arrival: the switch is inside
             total_s=time.perf_counter() - t0,
             prefilled_tokens=r.prefilled_tokens,

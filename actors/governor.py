@@ -28,7 +28,7 @@ import numpy as np
 from scheduler.compression import CompressionPlanner
 from scheduler.errors import CapacityError
 from scheduler.eviction import EvictionQueue
-from scheduler.pipeline import CostProfile, MissingChunk, RestoreLog, plan_restore
+from scheduler.pipeline import CostProfile, MissingChunk, OnlineCosts, RestoreLog, pipeline_delay, plan_restore, restore_shape
 from scheduler.policies import PolicySet, get_policy
 from storage import codecs
 from storage.registry import ChunkRow, ChunkState, Registry
@@ -94,7 +94,9 @@ class CallPlan:
     recompute: list[int]
     """Chunk indices to recompute from token ids."""
     predicted_s: float = 0.0
-    """Predicted restore (pipeline) time, seconds."""
+    """Predicted restore (pipeline) time, seconds: the profile's models corrected online."""
+    model_predicted_s: float = 0.0
+    """The same restore as the one-shot profile alone predicts it, seconds (for comparison)."""
     evicted_for_restore: int = 0
     """Chunks evicted to make room for this restore."""
     wrote_on_demand: int = 0
@@ -127,7 +129,10 @@ class MemoryGovernor:
         self.profile = profile or CostProfile.fit([(1, 0.01), (100, 1.0)], [(1 << 20, 0.001), (100 << 20, 0.1)])
         self.books: dict[str, CtxBook] = {}
         self.locked: set[str] = set()
-        self.restores = RestoreLog(max_records=10_000)
+        self.restores = RestoreLog(max_records=10_000)  # (predicted, measured) as planned
+        self.model_restores = RestoreLog(max_records=10_000)  # (the profile alone, measured)
+        self.online = OnlineCosts()
+        self._pending: dict[str, tuple[str, dict[str, float], float, float, float]] = {}  # ctx -> planned restore
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "evictions": 0, "recomputed_chunks": 0,
                       "fault_recomputes": 0, "killed_contexts": 0}
         self._rebuild()
@@ -225,13 +230,25 @@ class MemoryGovernor:
                 forced.append(i)
                 if ch is not None and self.policy.on_pressure != "kill":
                     self.stats["fault_recomputes"] += 1
-        plan = plan_restore(missing, self.profile, must_recompute=forced, allow_recompute=self.policy.recompute,
+        prof = self.online.profile(self.profile)
+        plan = plan_restore(missing, prof, must_recompute=forced, allow_recompute=self.policy.recompute,
                             groups=self.cfg.pipeline_groups)
         # loaded chunks become resident: make room now (on-demand writes happen here, in the switch)
         need = sum(book.chunks[i].file_nbytes for i in plan.load)
         evicted, wrote = self._make_room(need)
         self.stats["swap_in_bytes"] += plan.load_bytes
         self.stats["recomputed_chunks"] += len(plan.recompute)
+        # the pipeline (Eq. 4') plus de-quantizing the resident chunks, decoded before it starts
+        t_res = prof.decode(level for _, level, _ in resident)
+        stages = {"io": plan.t_io, "decode": plan.t_decode + t_res, "recompute": plan.t_recompute}
+        shape = restore_shape(len(resident), len(plan.load), len(plan.recompute))
+        corrected = plan.predicted + t_res
+        f = {s: self.online.factor(s) for s in stages}
+        model = (float(pipeline_delay(plan.t_io / f["io"], plan.t_recompute / f["recompute"]
+                                      + plan.t_decode / f["decode"], plan.groups)) + t_res / f["decode"])
+        predicted = self.online.predict(shape, corrected)
+        if shape:
+            self._pending[ctx] = (shape, stages, corrected, model, predicted)
         return CallPlan(
             ctx=ctx,
             token_ids=np.array(row.token_ids, dtype=np.int32),
@@ -241,8 +258,8 @@ class MemoryGovernor:
             resident=resident,
             load=[(i, book.chunks[i].level, book.chunks[i].file) for i in plan.load],
             recompute=list(plan.recompute),
-            # the pipeline (Eq. 4) plus de-quantizing the resident chunks, decoded before it starts
-            predicted_s=plan.predicted + self.profile.decode(level for _, level, _ in resident),
+            predicted_s=predicted,
+            model_predicted_s=model,
             evicted_for_restore=evicted,
             wrote_on_demand=wrote,
         )
@@ -255,9 +272,23 @@ class MemoryGovernor:
         """Median |ln(measured / predicted)| over the recorded restores."""
         return self.restores.median_abs_log_error()
 
-    def record_restore(self, predicted_s: float, measured_s: float) -> None:
-        if predicted_s > 0 and measured_s > 0:
-            self.restores.record(predicted_s, measured_s)
+    def model_restore_error(self) -> float | None:
+        """The same over the one-shot profile's own predictions (no online correction)."""
+        return self.model_restores.median_abs_log_error()
+
+    def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> None:
+        """The executor's measurement of the restore `begin_call(ctx)` planned: its wall time and,
+        when known, the seconds of each stage (scheduler.pipeline.STAGES). Feeds the error logs and
+        the online correction of the cost models."""
+        pending = self._pending.pop(ctx, None)
+        if pending is None or not measured_s > 0:
+            return
+        shape, predicted_stages, corrected, model, predicted = pending
+        if predicted > 0:
+            self.restores.record(predicted, measured_s)
+        if model > 0:
+            self.model_restores.record(model, measured_s)
+        self.online.observe(shape, predicted_stages, stages or {}, corrected, measured_s)
 
     def loaded(self, ctx: str, chunks: list[tuple[int, Any, int]]) -> None:
         """Chunks read from disk during a restore become resident, as far as the budget allows (room
@@ -324,6 +355,7 @@ class MemoryGovernor:
         self._make_room(0)
 
     def abort_call(self, ctx: str) -> None:
+        self._pending.pop(ctx, None)
         if ctx in self.locked:
             self.queue.unlock(ctx)
             self.locked.discard(ctx)

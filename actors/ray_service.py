@@ -24,9 +24,10 @@ from pathlib import Path
 
 import ray
 
-from actors.recompute import RecomputeWorker, RestoreRequest, shared_working_set
+from actors.recompute import RecomputeWorker, RestoreRequest, RestoreStats, shared_working_set
 from actors.service import ServiceConfig, drain
 from actors.swapio import KVSwapIO, layer_groups
+from storage import codecs
 
 NAMESPACE = "llmaas"
 
@@ -151,6 +152,8 @@ class GovernorActor:
         err = g.restore_error()
         if err is not None:
             m.restore_error.labels(policy).set(err)
+        for stage, f in g.online.state()["stages"].items():
+            m.cost_factor.labels(policy, stage).set(f)
 
     def registry_call(self, method: str, *args, **kwargs):
         return getattr(self.registry, method)(*args, **kwargs)
@@ -194,7 +197,6 @@ class RayRestorer:
 
     def group_size(self, plan) -> int:
         from scheduler.pipeline import layer_group_size
-        from storage import codecs
 
         if not plan.recompute:  # nothing to overlap the reads with: one group, one hand-over
             return self.cfg.n_layers
@@ -202,12 +204,53 @@ class RayRestorer:
         return layer_group_size(self.cfg.n_layers, self.per_ref_s, self.read_rate.s_per_byte, nbytes)
 
     def restore(self, ws, plan):
+        resident = [(i, h) for i, _, h in plan.resident]
+        if not plan.recompute:  # nothing reads other chunks' K/V: decode the resident ones here
+            return self._restore_split(ws, plan, resident)
         size = self.group_size(plan)
         groups = layer_groups(self.cfg.n_layers, size)
-        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
+        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, resident,
                              [i for i, _, _ in plan.load], list(plan.recompute), groups,
                              self.shm_name, self.capacity)
         res = call_retrying(self.worker.restore, req)
+        return self._finish(ws, plan, res, size)
+
+    def _restore_split(self, ws, plan, resident):
+        """Without recompute the two halves are independent: the recompute worker reads and decodes the
+        loaded chunks (its one thread) while this executor, idle otherwise, decodes the resident ones
+        (its one thread) straight into the working set; resident-only restores take no hop at all."""
+        ref = None
+        if plan.load:
+            req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [i for i, _, _ in plan.load], [],
+                                 [range(self.cfg.n_layers)], self.shm_name, self.capacity,
+                                 present=[i for i, _ in resident], recompute_failed=False)
+            ref = self.worker.restore.remote(req)
+        t = time.monotonic()
+        kv = ws.kv.numpy()
+        for (i, _), enc in zip(resident, ray.get([h for _, h in resident]) if resident else ()):
+            s, e = ws.chunk_range(i)
+            codecs.decode(enc, out=kv[:, :, :, s:e])
+        local = ("resident", -1, t, time.monotonic())
+        if ref is None:
+            res = RestoreStats(resident=len(resident))
+        else:
+            try:
+                res = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:  # the worker is restarting: as call_retrying does
+                res = call_retrying(self.worker.restore, req)
+            res.resident = len(resident)
+        res.timeline.append(local)
+        if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
+            n = -(-plan.kv_tokens // self.chunk_shape[3])
+            fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
+                                 [range(self.cfg.n_layers)], self.shm_name, self.capacity,
+                                 present=[i for i in range(n) if i not in res.failed])
+            again = call_retrying(self.worker.restore, fix)
+            res.recomputed = again.recomputed
+            res.timeline += again.timeline
+        return self._finish(ws, plan, res, self.cfg.n_layers)
+
+    def _finish(self, ws, plan, res, size):
         reads = [(a, b) for what, _g, a, b in res.timeline if what == "read"]
         if reads and res.loaded_bytes:
             self.read_rate.observe(sum(b - a for a, b in reads), res.loaded_bytes)

@@ -42,6 +42,12 @@ class RestoreRequest:
     """The executor's working-set segment."""
     capacity: int = 0
     """Its capacity in tokens."""
+    present: list[int] = field(default_factory=list)
+    """Chunks the caller fills itself: concurrently with a restore that recomputes nothing (resident
+    chunks the executor decodes while this restore loads others), or before it (a recompute reads them)."""
+    recompute_failed: bool = True
+    """Recompute loaded chunks whose file failed here; False: leave them missing, listed in `failed`,
+    for the caller (whose concurrent `present` chunks a recompute would read half-filled)."""
 
 
 @dataclass(slots=True)
@@ -62,6 +68,21 @@ class RestoreStats:
     """Wall time of the restore itself."""
     timeline: list = field(default_factory=list)
     """(what, layer or group, start, end) events, time.monotonic() seconds, for pipeline tests."""
+
+
+_STAGE_OF = {"resident": "decode", "decode": "decode", "read": "io", "recompute": "recompute"}
+
+
+def stage_seconds(timeline) -> dict[str, float]:
+    """Seconds of each restore stage (scheduler.pipeline.STAGES) from a restore's timeline: reads,
+    de-quantizing (resident and loaded chunks), recompute. Reads overlap the consumer's work in a
+    pipelined restore; each stage is summed on its own."""
+    out = {"io": 0.0, "decode": 0.0, "recompute": 0.0}
+    for what, _where, a, b in timeline:
+        stage = _STAGE_OF.get(what)
+        if stage is not None and b > a:
+            out[stage] += b - a
+    return out
 
 
 def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
@@ -90,6 +111,8 @@ def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable,
     ws.truncate(0)
     ws.reserve(req.kv_tokens)
     ws.missing = set(range(ws.n_chunks))
+    if req.present:
+        ws.mark_present(req.present)
     if req.resident:
         t = time.monotonic()
         for (i, _), enc in zip(req.resident, resolve([h for _, h in req.resident])):
@@ -118,7 +141,9 @@ def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable,
         res.loaded = len(set(req.load) - set(res.failed))
         ws.mark_present(set(req.load) - set(res.failed))
     res.faults = len(res.failed)
-    if res.failed:  # some file failed: recompute it and everything planned, all layers, exactly
+    if res.failed and not req.recompute_failed:
+        ws.missing -= set(res.failed)  # the caller's to recompute
+    elif res.failed:  # some file failed: recompute it and everything planned, all layers, exactly
         chunks = sorted(set(req.recompute) | set(res.failed))
         t = time.monotonic()
         model.recompute(ws, req.token_ids, chunks)

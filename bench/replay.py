@@ -122,6 +122,7 @@ class CallRecord:
     loaded_bytes: int  # bytes of those chunk files
     recomputed_chunks: int  # chunks recomputed from token ids (planned and faults)
     predicted_restore_ms: float  # the planner's restore time (0 for a hit), ms
+    model_restore_ms: float  # the one-shot profile's own prediction, before online correction, ms
     measured_restore_ms: float  # the restore's wall time (0 for a hit), ms
     ttft_ms: float  # time to first token, from the call's arrival at the executor, ms
     prompt_tokens: int  # tokens the call prefilled as its prompt
@@ -174,6 +175,7 @@ def replay_calls(svc, token: str, ctx_ids: Sequence[str], calls: Sequence[TraceR
             switch_ms=r["switch_ms"], e2e_ms=e2e * 1000, outcome=switch_outcome(hit, rs),
             resident_chunks=rs["resident"], loaded_chunks=rs["loaded"], loaded_bytes=rs["loaded_bytes"],
             recomputed_chunks=rs["recomputed"], predicted_restore_ms=r["predicted_restore_ms"],
+            model_restore_ms=r.get("model_restore_ms", 0.0),
             measured_restore_ms=0.0 if hit else rs["seconds"] * 1000, ttft_ms=r["ttft_s"] * 1000,
             prompt_tokens=r["prompt_tokens"], completion_tokens=r["completion_tokens"]))
         prev_sent, prev_time = sent, rec.time_s
@@ -293,11 +295,14 @@ def _bar(total: int, policy: str):
 
 def summarise(records: Sequence[CallRecord]) -> dict:
     """One policy's figures: switch_ms mean/median/p95, mean e2e, calls by outcome, data moved, and
-    the restore prediction error median |ln(measured / predicted)| over restores (None without any)."""
+    the restore prediction error median |ln(measured / predicted)| over restores (None without any),
+    also of the one-shot profile's own predictions (``restore_model_error``)."""
     sw = np.array([r.switch_ms for r in records])
     restores = [r for r in records if r.outcome != "hit"]
     pairs = [(r.predicted_restore_ms, r.measured_restore_ms) for r in restores
              if r.predicted_restore_ms > 0 and r.measured_restore_ms > 0]
+    model = [(r.model_restore_ms, r.measured_restore_ms) for r in restores
+             if r.model_restore_ms > 0 and r.measured_restore_ms > 0]
     return {
         "calls": len(records),
         "mean_switch_ms": float(sw.mean()),
@@ -311,6 +316,7 @@ def summarise(records: Sequence[CallRecord]) -> dict:
         "recomputed_chunks": sum(r.recomputed_chunks for r in records),
         "restore_pred_error": (statistics.median(abs(math.log(m / p)) for p, m in pairs) if pairs else None),
         "restore_pred_n": len(pairs),
+        "restore_model_error": (statistics.median(abs(math.log(m / p)) for p, m in model) if model else None),
     }
 
 

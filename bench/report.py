@@ -140,6 +140,8 @@ def markdown(results: Results, image: str | None = None) -> str:
     for p, x in s["policies"].items():
         o = x["outcomes"]
         err = "-" if x["restore_pred_error"] is None else f"{x['restore_pred_error']:.2f} (n={x['restore_pred_n']})"
+        if x.get("restore_model_error") is not None:  # summaries since the online correction
+            err += f"; profile alone {x['restore_model_error']:.2f}"
         lines.append(f"| {p} | {_ms(x['mean_switch_ms'])} | {_ms(x['median_switch_ms'])} | "
                      f"{_ms(x['p95_switch_ms'])} | {_ms(x['mean_e2e_ms'])} | "
                      f"{o['hit']} / {o['resident']} / {o['swap']} / {o['recompute']} | {x['loaded_mb']:.1f} | "

@@ -56,6 +56,8 @@ Deliberately not modelled: recompute of a late chunk attends to more tokens than
 :class:`ProfileCache` keeps fitted profiles as JSON files keyed by machine (hostname and CPU count),
 model fingerprint and storage throttle; the caller runs the profiling and passes measured points.
 :class:`RestoreLog` keeps (predicted, measured) pairs to report the model's error.
+:class:`OnlineCosts` corrects the profile from the restores the service runs (per stage, used by the
+planner, and per restore shape, for the prediction): the one-shot profile ages with the machine.
 
 This module deliberately knows nothing about disks beyond those files, the model or actors, and it
 never reads a clock: times are measured by the caller.
@@ -424,3 +426,92 @@ class ReadRate:
         if seconds > 0 and nbytes > 0:
             x = seconds / nbytes
             self.s_per_byte = x if self.s_per_byte <= 0 else (1 - self.weight) * self.s_per_byte + self.weight * x
+
+
+#: the stages of a restore whose cost models :class:`OnlineCosts` corrects
+STAGES = ("io", "decode", "recompute")
+
+
+def restore_shape(resident: int, loaded: int, recomputed: int) -> str:
+    """Which parts a restore has: a subset of "m" (chunks decoded from memory), "l" (loaded),
+    "r" (recomputed), in that order; "" for nothing to restore."""
+    return "m" * (resident > 0) + "l" * (loaded > 0) + "r" * (recomputed > 0)
+
+
+class OnlineCosts:
+    """The profile's cost models, corrected online from the restores the service actually runs.
+
+    The one-shot profile (§3.3 i) is measured once, on a quiet machine with a throwaway context; later
+    the machine may be busier or quieter (a shared VM's memory bandwidth moves de-quantizing by 40 %
+    from one hour to the next), the stored chunks differ from the profile's, and composing the stages
+    has overheads the formula leaves out. Two corrections, each an exponentially weighted mean of a
+    log ratio over recent restores (weight ``weight`` for the newest):
+
+    * a factor per stage (T_io, T_dec, T_re): measured stage seconds over the profile's prediction
+      of that stage. :meth:`profile` scales the profile by them, so *planning* follows the machine
+      as it is now (if de-quantizing slows down, recomputing becomes relatively cheaper);
+    * a residual per restore shape (:func:`restore_shape`): the whole restore's measured seconds over
+      the stage-corrected prediction, for what the stage sum misses (overlap, hand-over, waits).
+      :meth:`predict` applies it to the planned total; planning does not use it.
+
+    Stages measured under ``min_stage_s`` are not used (timer noise), and every log ratio is clamped
+    to ``±ln(max_factor)`` so that one pathological restore cannot wreck the model. Ray-free, no clock.
+    """
+
+    def __init__(self, weight: float = 0.25, *, min_stage_s: float = 2e-4, max_factor: float = 8.0) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {weight!r}")
+        if not max_factor > 1:
+            raise ValueError(f"max_factor must be > 1, got {max_factor!r}")
+        self.weight = float(weight)
+        self.min_stage_s = float(min_stage_s)
+        self.bound = math.log(max_factor)
+        self.stage_log: dict[str, float] = {s: 0.0 for s in STAGES}  # ln(measured / profile)
+        self.residual_log: dict[str, float] = {}  # shape -> ln(measured / stage-corrected)
+        self.observed = 0  # restores observed
+
+    def _ewma(self, old: float, x: float) -> float:
+        """From no correction (0) on, the newest clamped log ratio weighs ``weight``."""
+        x = max(-self.bound, min(self.bound, x))
+        return (1 - self.weight) * old + self.weight * x
+
+    def factor(self, stage: str) -> float:
+        """The current multiplier of ``stage``'s profile model."""
+        return math.exp(self.stage_log[stage])
+
+    def profile(self, base: CostProfile) -> CostProfile:
+        """``base`` with T_io, T_dec and T_re scaled by the stage factors (points kept as measured)."""
+        fi, fd, fr = (self.factor(s) for s in STAGES)
+        if fi == fd == fr == 1.0:
+            return base
+        scale = lambda c, f: LinearCost(c.intercept * f, c.slope * f)  # noqa: E731
+        dec = DecodeCost(tuple((lv, v * fd) for lv, v in base.decode.per_level))
+        return CostProfile(scale(base.recompute, fr), scale(base.io, fi), base.recompute_points,
+                           base.io_points, dec, base.decode_points)
+
+    def predict(self, shape: str, stage_corrected_s: float) -> float:
+        """A restore's prediction: the stage-corrected total times the shape's residual factor (1 for
+        a shape not seen yet)."""
+        return stage_corrected_s * math.exp(self.residual_log.get(shape, 0.0))
+
+    def observe(self, shape: str, predicted_stages: dict[str, float], measured_stages: dict[str, float],
+                stage_corrected_s: float, measured_s: float) -> None:
+        """Learn from one restore. ``predicted_stages``: each stage's seconds as planned with
+        :meth:`profile` (scaled by the factors in force then, which must be these: no other restore
+        observed in between); ``measured_stages``: what each stage took; ``stage_corrected_s``: the
+        planned total before the residual; ``measured_s``: the whole restore's wall time."""
+        for s in STAGES:
+            p, m = predicted_stages.get(s, 0.0), measured_stages.get(s, 0.0)
+            if p > 0 and m >= self.min_stage_s:
+                raw = p / self.factor(s)  # the profile's own prediction of this stage
+                self.stage_log[s] = self._ewma(self.stage_log[s], math.log(m / raw))
+        if stage_corrected_s > 0 and measured_s > 0:
+            self.residual_log[shape] = self._ewma(self.residual_log.get(shape, 0.0),
+                                                  math.log(measured_s / stage_corrected_s))
+        self.observed += 1
+
+    def state(self) -> dict:
+        """The current factors, for metrics and logs."""
+        return {"stages": {s: self.factor(s) for s in STAGES},
+                "residual": {k: math.exp(v) for k, v in sorted(self.residual_log.items())},
+                "observed": self.observed}

@@ -94,17 +94,41 @@ def run(policy, small_engine, texts, reference, tmp_path):
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are a concise assistant.") for _ in range(N_CTX)]
     ps = prompts(texts)
-    outs, switches = {}, []
+    outs, switches, restores = {}, [], []
     for r in range(ROUNDS):
         for c in (range(N_CTX) if r == 0 else order(r)):
             res = svc.call(tok, ctxs[c], ps[(r, c)], max_tokens=MAX_TOKENS)
             outs[(r, c)] = res.token_ids
             switches.append(res.switch_ms)
+            if not res.hit:
+                restores.append(res)
             # TTFT runs from the call's arrival, so the switch is inside it; total covers both
             assert res.switch_ms <= res.ttft_s * 1000 <= res.total_s * 1000
     svc.executor.flush()
     assert checks and max(checks) <= budget
+    check_restore_records(svc, restores)
     return svc, tok, ctxs, outs
+
+
+def check_restore_records(svc, restores):
+    """Every restore was predicted, measured stage by stage and fed to the online cost correction."""
+    from actors.recompute import stage_seconds
+
+    gov = svc.governor
+    assert gov.online.observed == sum(bool(r.restore.resident or r.restore.loaded or r.restore.recomputed)
+                                      for r in restores)
+    restores = [r for r in restores if r.predicted_restore_ms > 0]  # PROFILE has no decode costs
+    assert restores and len(gov.restores) == len(gov.model_restores) == len(restores)
+    assert [p for p, _ in gov.restores.pairs] == pytest.approx([r.predicted_restore_ms / 1000 for r in restores])
+    assert [p for p, _ in gov.model_restores.pairs] == pytest.approx([r.model_restore_ms / 1000 for r in restores])
+    # the first restore is predicted by the profile alone; later ones are corrected
+    assert restores[0].predicted_restore_ms == pytest.approx(restores[0].model_restore_ms)
+    assert any(r.predicted_restore_ms != pytest.approx(r.model_restore_ms) for r in restores[1:])
+    for r in restores:
+        st = stage_seconds(r.restore.timeline)
+        assert sum(st.values()) > 0
+        if not (r.restore.loaded and r.restore.recomputed):  # unpipelined: stages run one after another
+            assert sum(st.values()) <= r.restore.seconds
 
 
 @pytest.mark.parametrize("policy", LOSSLESS)

@@ -309,3 +309,83 @@ def test_layer_group_size_keeps_ref_cost_under_a_tenth_of_the_read():
     assert r.s_per_byte == 5e-7
     r.observe(1.0, 1_000_000)
     assert 5e-7 < r.s_per_byte < 1e-6
+
+
+# -- online correction of the cost models -----------------------------------------------------------
+
+
+def _run_restores(online, base, true_factor, overhead, n, missing, resident_levels, groups=5):
+    """Plan `n` restores with the online-corrected profile on a machine whose stages cost
+    `true_factor[stage]` times the base profile's and whose whole restore costs `overhead` times the
+    stage formula; returns (predicted, measured, plan) of each."""
+    from scheduler.pipeline import pipeline_delay, restore_shape
+
+    out = []
+    for _ in range(n):
+        prof = online.profile(base)
+        plan = plan_restore(missing, prof, groups=groups)
+        res = prof.decode(resident_levels)
+        stages = {"io": plan.t_io, "decode": plan.t_decode + res, "recompute": plan.t_recompute}
+        corrected = plan.predicted + res
+        shape = restore_shape(len(resident_levels), len(plan.load), len(plan.recompute))
+        predicted = online.predict(shape, corrected)
+        # the truth: each stage as the base profile has it, times the machine's factor
+        true = {s: v / online.factor(s) * true_factor[s] for s, v in stages.items()}
+        measured = overhead * (float(pipeline_delay(true["io"], true["recompute"] + plan.t_decode / online.factor("decode")
+                                                    * true_factor["decode"], groups))
+                               + res / online.factor("decode") * true_factor["decode"])
+        online.observe(shape, stages, true, corrected, measured)
+        out.append((predicted, measured, plan))
+    return out
+
+
+def test_online_costs_follow_a_slower_machine_and_replan():
+    from scheduler.pipeline import OnlineCosts
+
+    # recomputing: 2 ms + 1 ms a chunk; de-quantizing q2: 0.5 ms a chunk; reading: fast
+    base = CostProfile.fit([(1, 0.003), (8, 0.010)], [(1e6, 0.0005), (2e7, 0.0072)], [("q2", 8, 0.004)])
+    missing = [MissingChunk(i, "q2", LEVEL_BYTES["q2"]) for i in range(30)]
+    resident = ["q2"] * 10
+    online = OnlineCosts()
+    assert online.profile(base) is base  # nothing observed: the profile as measured
+    truth = {"io": 1.0, "decode": 3.0, "recompute": 1.0}  # de-quantizing got 3x dearer (a busy machine)
+    runs = _run_restores(online, base, truth, 1.1, 40, missing, resident)
+    first_p, first_m, first_plan = runs[0]
+    assert not first_plan.recompute  # as profiled, loading everything is best
+    assert abs(math.log(first_m / first_p)) > math.log(2)  # the profile alone is off by more than 2x
+    for p, m, _ in runs[-5:]:
+        assert abs(math.log(m / p)) < 0.03
+    assert online.factor("decode") == pytest.approx(3.0, rel=0.02)
+    assert online.factor("io") == pytest.approx(1.0) and online.factor("recompute") == pytest.approx(1.0)
+    # planning follows: dearer de-quantizing makes recomputing relatively cheaper
+    assert len(runs[-1][2].recompute) > 0
+    st = online.state()
+    assert st["observed"] == 40 and st["stages"]["decode"] == pytest.approx(3.0, rel=0.02)
+    assert set(st["residual"]) <= {"ml", "mlr", "mr"} and st["residual"]
+
+
+def test_online_residual_is_kept_per_restore_shape():
+    from scheduler.pipeline import OnlineCosts
+
+    online = OnlineCosts(weight=0.5)
+    for _ in range(20):
+        online.observe("m", {"decode": 0.01}, {"decode": 0.01}, 0.01, 0.013)  # 30 % overhead
+        online.observe("ml", {"io": 0.01, "decode": 0.01}, {"io": 0.01, "decode": 0.01}, 0.02, 0.02)
+    assert online.predict("m", 0.01) == pytest.approx(0.013, rel=1e-3)
+    assert online.predict("ml", 0.02) == pytest.approx(0.02, rel=1e-3)
+    assert online.predict("lr", 0.05) == 0.05  # a shape never seen: no residual
+    assert online.factor("decode") == pytest.approx(1.0)
+
+
+def test_online_costs_ignore_tiny_stages_and_clamp_outliers():
+    from scheduler.pipeline import OnlineCosts
+
+    online = OnlineCosts(weight=0.25, min_stage_s=1e-3, max_factor=4.0)
+    online.observe("r", {"recompute": 0.001}, {"recompute": 0.0005}, 0.001, 0.001)  # under the floor
+    assert online.factor("recompute") == 1.0
+    online.observe("r", {"recompute": 0.01}, {"recompute": 10.0}, 0.01, 10.0)  # one 1000x outlier
+    assert online.factor("recompute") == pytest.approx(4.0 ** 0.25)
+    assert online.predict("r", 0.01) == pytest.approx(0.01 * 4.0 ** 0.25)
+    for bad in ({"weight": 0}, {"weight": 1.5}, {"max_factor": 1.0}):
+        with pytest.raises(ValueError):
+            OnlineCosts(**bad)
