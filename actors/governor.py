@@ -265,8 +265,10 @@ class MemoryGovernor:
         )
 
     def set_profile(self, profile_json: str) -> None:
-        """Replace the pipeline cost profile (measured by the executor at start)."""
+        """Replace the pipeline cost profile (measured by the executor at start); the online
+        corrections were relative to the old one and start over."""
         self.profile = CostProfile.from_json(profile_json)
+        self.online = OnlineCosts()
 
     def restore_error(self) -> float | None:
         """Median |ln(measured / predicted)| over the recorded restores."""

@@ -194,6 +194,7 @@ class RayRestorer:
         self.shm_name, self.capacity = shm_name, capacity
         self.per_ref_s = per_ref_s
         self.read_rate = read_rate
+        self.decode_s = 2.5e-4  # de-quantizing one chunk on this executor's thread, as last observed
 
     def group_size(self, plan) -> int:
         from scheduler.pipeline import layer_group_size
@@ -216,21 +217,32 @@ class RayRestorer:
         return self._finish(ws, plan, res, size)
 
     def _restore_split(self, ws, plan, resident):
-        """Without recompute the two halves are independent: the recompute worker reads and decodes the
-        loaded chunks (its one thread) while this executor, idle otherwise, decodes the resident ones
-        (its one thread) straight into the working set; resident-only restores take no hop at all."""
+        """Without recompute no chunk waits for another, so the work is shared between two threads in two
+        processes: the recompute worker reads and de-quantizes the loaded chunks and some resident ones
+        while this executor, idle otherwise, de-quantizes the other resident ones straight into the
+        working set (scheduler.pipeline.local_share evens the two; a small restore stays here, no hop)."""
+        from scheduler.pipeline import local_share
+
+        read_s = self.read_rate.s_per_byte * sum(codecs.stored_nbytes(lv, self.chunk_shape) for _, lv, _ in plan.load)
+        m = local_share(len(resident), len(plan.load), read_s, self.decode_s, 2 * self.per_ref_s)
+        mine, theirs = resident[:m], resident[m:]
         ref = None
-        if plan.load:
-            req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [i for i, _, _ in plan.load], [],
+        if plan.load or theirs:
+            req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, theirs, [i for i, _, _ in plan.load], [],
                                  [range(self.cfg.n_layers)], self.shm_name, self.capacity,
-                                 present=[i for i, _ in resident], recompute_failed=False)
+                                 present=[i for i, _ in mine], recompute_failed=False)
             ref = self.worker.restore.remote(req)
         t = time.monotonic()
+        encs = ray.get([h for _, h in mine]) if mine else []
+        fetched = ("fetch", -1, t, time.monotonic())
+        t = time.monotonic()
         kv = ws.kv.numpy()
-        for (i, _), enc in zip(resident, ray.get([h for _, h in resident]) if resident else ()):
+        for (i, _), enc in zip(mine, encs):
             s, e = ws.chunk_range(i)
             codecs.decode(enc, out=kv[:, :, :, s:e])
         local = ("resident", -1, t, time.monotonic())
+        if mine:
+            self.decode_s = 0.7 * self.decode_s + 0.3 * (local[3] - local[2]) / len(mine)
         if ref is None:
             res = RestoreStats(resident=len(resident))
         else:
@@ -239,7 +251,7 @@ class RayRestorer:
             except ray.exceptions.ActorUnavailableError:  # the worker is restarting: as call_retrying does
                 res = call_retrying(self.worker.restore, req)
             res.resident = len(resident)
-        res.timeline.append(local)
+        res.timeline += [fetched, local]
         if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
             n = -(-plan.kv_tokens // self.chunk_shape[3])
             fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),

@@ -515,3 +515,24 @@ class OnlineCosts:
         return {"stages": {s: self.factor(s) for s in STAGES},
                 "residual": {k: math.exp(v) for k, v in sorted(self.residual_log.items())},
                 "observed": self.observed}
+
+
+def local_share(n_resident: int, n_load: int, read_s: float, decode_s: float, hop_s: float) -> int:
+    """How many of a restore's ``n_resident`` chunks the executor should de-quantize itself while the
+    recompute worker, one hop away, reads and de-quantizes the ``n_load`` loaded chunks and the other
+    resident ones (a restore without recompute: no chunk waits for another). Each side runs one
+    thread; the split evens their finishing times:
+
+        executor  m * decode_s
+        worker    hop_s + read_s + (n_load + n_resident - m) * decode_s
+
+    ``read_s``: the loads' read time; ``decode_s``: seconds to de-quantize one chunk on one thread.
+    All local (``n_resident``) when the worker's share would be under one chunk."""
+    count("n_resident", n_resident)
+    count("n_load", n_load)
+    if n_resident == 0:
+        return 0
+    if not decode_s > 0:
+        return n_resident
+    m = math.ceil((n_load + n_resident) / 2 + (hop_s + read_s) / (2 * decode_s))
+    return n_resident if n_resident - m < 1 else max(0, m)
