@@ -195,6 +195,15 @@ class RayRestorer:
         self.per_ref_s = per_ref_s
         self.read_rate = read_rate
         self.decode_s = 2.5e-4  # de-quantizing one chunk on this executor's thread, as last observed
+        self.decode_seeded = False
+
+    def seed_decode(self, profile) -> None:
+        """Start from the profile's de-quantizing cost a chunk (the mean over its levels; measured
+        by this executor, on its thread); restores then refine it."""
+        costs = [v for _, v in profile.decode.per_level]
+        if costs:
+            self.decode_s = sum(costs) / len(costs)
+            self.decode_seeded = True
 
     def group_size(self, plan) -> int:
         from scheduler.pipeline import layer_group_size
@@ -311,10 +320,13 @@ class ExecutorActor:
         ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
         from scheduler.pipeline import CostProfile, ReadRate
 
-        self.read_rate = ReadRate(CostProfile.from_json(c.profile).io.slope if c.profile else 0.0)
+        prof = CostProfile.from_json(c.profile) if c.profile else None
+        self.read_rate = ReadRate(prof.io.slope if prof else 0.0)
         self.per_ref_s = per_ref_seconds(io_handle)
         restorer = RayRestorer(recompute_handle, model.cfg, shm_name, engine.limit, c.chunk_tokens,
                                self.per_ref_s, self.read_rate)
+        if prof is not None:
+            restorer.seed_decode(prof)
         self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle), restorer,
                                 working_set=ws, put=ray.put, background=True)  # write-back after the reply
         model.warmup()
@@ -363,6 +375,8 @@ class ExecutorActor:
                                progress=False)
         if self.read_rate.s_per_byte <= 0:
             self.read_rate.s_per_byte = prof.io.slope
+        if not self.ex.restorer.decode_seeded:
+            self.ex.restorer.seed_decode(prof)
         return prof.to_json()
 
     def per_ref_cost(self) -> float:

@@ -218,7 +218,9 @@ def main(argv=None) -> int:
     mode = "Ray actors" if args.ray else "one process"
     thr = f"{args.throttle_mbps:g} MB/s read throttle" if args.throttle_mbps else "no read throttle"
     cmd = (f"python -m bench.switching --calls {args.calls} --contexts {args.contexts}"
-           + (f" --throttle-mbps {args.throttle_mbps:g}" if args.throttle_mbps else "") + (" --ray" if args.ray else ""))
+           + (f" --policies {' '.join(args.policies)}" if list(args.policies) != list(POLICIES) else "")
+           + (f" --throttle-mbps {args.throttle_mbps:g}" if args.throttle_mbps else "") + (" --ray" if args.ray else "")
+           + (f" --seed {args.seed}" if args.seed else ""))
     lines = [
         f"{BEGIN.replace('begin', 'begin:' + mode + ':' + thr)}",
         f"#### {mode}, {thr}",

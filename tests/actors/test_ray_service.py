@@ -72,11 +72,14 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
     """The Fault primitive in a restore that also decodes resident chunks and loads others: the files
     of the loaded ones are corrupt, so they are recomputed after the resident ones are in (recompute
     attends to them); the replies are still exactly the engine's."""
-    svc = start(tmp_path, "vllm-s", "t-mixed", pool_bytes=7 << 20)  # ~9 raw chunks: 4 contexts don't fit
+    # ~9 raw chunks: 4 contexts don't fit. De-quantizing profiled at 5 ms a chunk, so that the
+    # executor shares resident chunks with the recompute worker (local_share) as soon as it can
+    profile = CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)], [("raw", 8, 0.04)])
+    svc = start(tmp_path, "vllm-s", "t-mixed", pool_bytes=7 << 20, profile=profile.to_json())
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
     assert [svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)] == reference[0]
-    mixed = []
+    mixed, shared = [], []
     for k, c in enumerate(ctxs):
         ray.get(svc.executor.flush.remote())  # the last write-back done: nothing rewrites the files corrupted here
         for f in (tmp_path / "chunks" / c).glob("*.kvc"):  # flip one payload byte: its checksum fails
@@ -88,7 +91,11 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
         r = o["restore"]
         assert r["recomputed"] >= r["faults"]
         mixed.append(r["resident"] >= 1 and r["faults"] >= 1)
+        shared.append(sum(what == "resident" for what, *_ in r["timeline"]) == 2)  # executor and worker
     assert any(mixed), "no restore had both resident chunks and a failing load"
+    # the worker took part of the resident chunks in some restore (these contexts are 3-4 chunks, so
+    # the mixed ones, 1 resident and 1-3 failing loads, keep theirs in the executor)
+    assert any(shared), "no restore shared its resident chunks with the recompute worker"
     svc.shutdown()
 
 
