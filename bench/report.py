@@ -153,7 +153,7 @@ def markdown(results: Results, image: str | None = None) -> str:
                   "| policy | ratio |" + (" target |" if with_targets else ""),
                   "|---|---:|" + ("---|" if with_targets else "")]
         for p, v in r.items():
-            row = f"| {p} | {v:.1f}x |"
+            row = f"| {p} | {v:.1f}x |" if v >= 10 else f"| {p} | {v:.2f}x |"  # 1.95x is not 2.0x
             if with_targets:
                 goal = TARGETS.get(p)
                 row += " - |" if goal is None else f" >= {goal:g}x: {'met' if v >= goal else 'missed'} |"
@@ -332,7 +332,7 @@ def capacity_check(counts: Mapping[str, MaxContexts], bound_ms: float) -> tuple[
     best, llms = base[best_name], counts["llms"]
     partial = "" if llms.complete and all(c.complete for c in base.values()) else " (partial)"
     if best.count < 2:
-        return "-", f"{best_name} supports {best.count} (<2): counts only{partial}"
+        return "-", f"no baseline meets it at 2 contexts: counts only{partial}"
     if best.at_limit:
         return "-", f"n/a: {best_name} meets the bound at every count{partial}"
     ratio = llms.interpolated / best.interpolated
