@@ -134,7 +134,7 @@ class MemoryGovernor:
         self.online = OnlineCosts()
         self._pending: dict[str, tuple[str, dict[str, float], float, float, float]] = {}  # ctx -> planned restore
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "evictions": 0, "recomputed_chunks": 0,
-                      "fault_recomputes": 0, "killed_contexts": 0}
+                      "fault_recomputes": 0, "killed_contexts": 0, "interrupted_calls": 0}
         self._rebuild()
 
     # ---- start-up --------------------------------------------------------------------------------
@@ -153,6 +153,23 @@ class MemoryGovernor:
                         ch.file, ch.file_nbytes, ch.checksum = r.file, r.nbytes, r.checksum
                     book.chunks[r.index] = ch
                 self.books[summary.id] = book
+
+    def executor_started(self) -> int:
+        """The model executor (re)started. A call in flight died with the old process (its context is
+        still locked here, and its turn was committed only if the reply had finished), and every
+        resident chunk was an object that process owned, now gone. Unlock everything and rebuild the
+        books from the registry, as after this governor's own restart: chunks on disk are read again,
+        the rest recomputed from their token ids. Returns the number of calls that were in flight."""
+        in_flight = len(self.locked)
+        for handle in self.held_handles():
+            self.release(handle)
+        self.locked.clear()
+        self._pending.clear()
+        self.queue = EvictionQueue(self.policy.eviction_strategy())
+        self.books = {}
+        self._rebuild()
+        self.stats["interrupted_calls"] += in_flight
+        return in_flight
 
     # ---- contexts ---------------------------------------------------------------------------------
     def new_ctx(self, app: str, system_prompt: str = "") -> str:

@@ -329,6 +329,13 @@ class ExecutorActor:
             restorer.seed_decode(prof)
         self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle), restorer,
                                 working_set=ws, put=ray.put, background=True)  # write-back after the reply
+        # after a restart: the call in flight died with the old process, whose objects (the resident
+        # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
+        interrupted = self.ex.gov.executor_started()
+        if interrupted:
+            import logging
+
+            logging.getLogger(__name__).warning("executor restarted: %d call(s) in flight were interrupted", interrupted)
         model.warmup()
         from actors.metrics import Metrics, init_executor_series
 
@@ -397,8 +404,16 @@ class ExecutorActor:
         self.shm.unlink()
 
 
+class CallInterruptedError(RuntimeError):
+    """A call stopped by an actor failure (the service restarts the actor and rebuilds its state)."""
+
+    code = "interrupted"
+
+
 class RayService:
     """Start (or attach to) the actors of one node and call them (LLMS Table 1)."""
+
+    _executor_down = False  # the last call saw the executor stop: wait for it before the next one
 
     def __init__(self, config: ServiceConfig, *, model_path: str | None = None,
                  prefix: str = "llmaas", max_restarts: int = 2) -> None:
@@ -447,13 +462,24 @@ class RayService:
         return call_retrying(self.executor.new_ctx, self.app_of(token), system_prompt)
 
     def stream(self, token: str, ctx: str, prompt: str, **params):
-        """Generator of text deltas; returns the outcome dict (StopIteration.value)."""
+        """Generator of text deltas; returns the outcome dict (StopIteration.value). Raises
+        `CallInterruptedError` when the executor stops during the call; the next call waits until
+        Ray has restarted it."""
         app = self.app_of(token)
-        for ref in self.executor.call.remote(app, ctx, prompt, params):
-            item = ray.get(ref)
-            if isinstance(item, dict):
-                return item
-            yield item
+        if self._executor_down:
+            call_retrying(self.executor.__ray_ready__)
+            self._executor_down = False
+        try:
+            for ref in self.executor.call.remote(app, ctx, prompt, params):
+                item = ray.get(ref)
+                if isinstance(item, dict):
+                    return item
+                yield item
+        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as e:
+            self._executor_down = True
+            raise CallInterruptedError(
+                "the model executor stopped during the call and is being restarted; the turn was recorded "
+                "only if its reply had finished (see the context's history before retrying)") from e
 
     def call(self, token: str, ctx: str, prompt: str, **params) -> dict:
         return drain(self.stream(token, ctx, prompt, **params))

@@ -132,3 +132,29 @@ def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_p
     assert all(o["completion_tokens"] >= 1 for o in outs)
     assert sum(o["restore"]["loaded"] + o["restore"]["recomputed"] for o in outs) > 0
     svc.shutdown()
+
+
+def test_executor_killed_mid_call_restarts_and_answers_exactly(ray_cluster, reference, tmp_path):
+    """The model executor killed while it decodes a reply: the call fails with `CallInterruptedError`,
+    Ray restarts the executor, the governor drops the dead process's locks and resident chunks (objects
+    it owned) and rebuilds from the registry, and every context then answers exactly as without the
+    crash: the interrupted turn left no trace, nothing stays locked, nothing is read from a dead object."""
+    from actors.ray_service import CallInterruptedError
+
+    svc = start(tmp_path, "vllm-s", "t-kill", pool_bytes=3 << 20)  # some chunks resident, some on disk
+    tok = svc.bind("app")
+    ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
+    assert [svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)] == reference[0]
+    ray.get(svc.executor.flush.remote())
+    held = ray.get(svc.gov.held_nbytes.remote())
+    assert held > 0, "nothing resident: the test would not cover the dead executor's objects"
+    gen = svc.stream(tok, ctxs[0], "Tell me a very long story about a lighthouse keeper.", max_tokens=400)
+    next(gen)  # the executor is decoding this call
+    ray_cluster.kill(svc.executor, no_restart=False)
+    with pytest.raises(CallInterruptedError):
+        for _ in gen:
+            pass
+    outs = [svc.call(tok, c, p, max_tokens=8) for c, p in zip(ctxs, FOLLOW)]
+    assert [o["token_ids"] for o in outs] == reference[1]
+    assert all(o["restore"]["resident"] == 0 for o in outs[:1])  # nothing came from the old objects
+    svc.shutdown()
