@@ -99,6 +99,12 @@ def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool)
         shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
     else:
         shm = shared_memory.SharedMemory(name=name)
+        # Python < 3.13 registers an attached segment with this process's resource tracker too, which
+        # unlinks it when this process dies: a killed recompute worker took the live executor's working
+        # set with it, and the restarted worker could not attach (FileNotFoundError). The creator owns it.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(shm._name, "shared_memory")
     arr = np.ndarray(shape, dtype=np.float32, buffer=shm.buf)
     return shm, torch.from_numpy(arr)
 
