@@ -70,6 +70,9 @@ class IOActor(KVSwapIO):
 
     def __init__(self, root: str, fingerprint: str, config, data_dir: str, **kw) -> None:
         from actors.metrics import Metrics
+        from storage.heap import retain_freed_memory
+
+        retain_freed_memory()  # fresh read buffers and payloads: keep freed memory, no page faults
 
         super().__init__(root, fingerprint, config, **kw)
         m = Metrics()
@@ -88,6 +91,9 @@ class IOActor(KVSwapIO):
 class GovernorActor:
     def __init__(self, cfg: dict, io_handle, fingerprint: str) -> None:
         from actors.governor import GovernorConfig, MemoryGovernor
+        from storage.heap import retain_freed_memory
+
+        retain_freed_memory()
         from storage.registry import Registry, RegistryConfig
 
         c = ServiceConfig(**cfg)
@@ -307,7 +313,10 @@ class ExecutorActor:
         from engine.kvcache import KVCache
         from engine.model import Transformer
 
+        from storage.heap import retain_freed_memory
+
         torch.set_num_threads(max(1, threads))
+        retain_freed_memory()  # write-back encodes into fresh payloads: keep freed memory, no page faults
         c = ServiceConfig(**cfg)
         ecfg = EngineConfig(max_context_tokens=c.max_context_tokens, chunk_tokens=c.chunk_tokens, device="cpu")
         model = Transformer.from_directory(model_dir, ecfg, fingerprint=fingerprint)

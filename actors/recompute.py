@@ -171,8 +171,10 @@ class RecomputeWorker:
 
     def __init__(self, model_dir: str, fingerprint: str, engine_cfg, io=None, threads: int = 1) -> None:
         from engine.model import Transformer
+        from storage.heap import retain_freed_memory
 
         torch.set_num_threads(max(1, threads))
+        retain_freed_memory()
         self.model = Transformer.from_directory(model_dir, engine_cfg, fingerprint=fingerprint)
         self.chunk_tokens = engine_cfg.chunk_tokens
         self.io = io

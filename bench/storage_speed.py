@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp folder "
                    "under the current directory)")
     p.add_argument("--synthetic", action="store_true", help="use synthetic K/V even if the model is here")
+    p.add_argument("--no-heap-retain", action="store_true", help="leave glibc's malloc as it is (the service's "
+                   "actor processes keep freed memory for reuse, storage.heap; this is what they do without it)")
     args = p.parse_args(argv)
     if args.tokens % 16:
         p.error("--tokens must be a multiple of 16")
@@ -188,6 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"machine: {os.cpu_count()} cores, {platform.machine()}, {platform.platform()}")
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if args.no_heap_retain:
+        print("heap: glibc defaults (freed MB-sized buffers go back to the kernel)")
+    else:
+        from storage.heap import retain_freed_memory
+
+        on = retain_freed_memory()
+        print(f"heap: {'freed memory kept for reuse, as in the service actors (storage.heap)' if on else 'defaults (mallopt unavailable)'}")
     kv = None if args.synthetic else real_kv(args.tokens)
     if kv is None:
         kv = synthetic_kv(args.tokens)
