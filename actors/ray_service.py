@@ -193,8 +193,9 @@ class RayRestorer:
     tenth of reading it (scheduler.pipeline.layer_group_size), at the read rate last observed."""
 
     def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
-                 read_rate) -> None:
+                 read_rate, io=None) -> None:
         self.worker = worker
+        self.io = io  # the IO worker: the executor's own share of a restore's loads, when it takes one
         self.cfg = cfg
         self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
         self.shm_name, self.capacity = shm_name, capacity
@@ -235,18 +236,25 @@ class RayRestorer:
         """Without recompute no chunk waits for another, so the work is shared between two threads in two
         processes: the recompute worker reads and de-quantizes the loaded chunks and some resident ones
         while this executor, idle otherwise, de-quantizes the other resident ones straight into the
-        working set (scheduler.pipeline.local_share evens the two; a small restore stays here, no hop)."""
+        working set (scheduler.pipeline.local_share evens the two; a small restore stays here, no hop).
+        When the loads alone are more than the worker's half, this executor also takes some of them: the
+        IO worker reads them for it (one reply) and it de-quantizes them after its resident share."""
         from scheduler.pipeline import local_share
 
         read_s = self.read_rate.s_per_byte * sum(codecs.stored_nbytes(lv, self.chunk_shape) for _, lv, _ in plan.load)
-        m = local_share(len(resident), len(plan.load), read_s, self.decode_s, 2 * self.per_ref_s)
+        loads = [i for i, _, _ in plan.load]
+        m = local_share(len(resident), len(loads), read_s, self.decode_s, 2 * self.per_ref_s,
+                        take_loads=self.io is not None)
         mine, theirs = resident[:m], resident[m:]
-        ref = None
-        if plan.load or theirs:
-            req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, theirs, [i for i, _, _ in plan.load], [],
+        my_loads, loads = loads[: max(0, m - len(resident))], loads[max(0, m - len(resident)):]
+        ref = io_ref = None
+        if loads or theirs:
+            req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, theirs, loads, [],
                                  [range(self.cfg.n_layers)], self.shm_name, self.capacity,
-                                 present=[i for i, _ in mine], recompute_failed=False)
+                                 present=[i for i, _ in mine] + my_loads, recompute_failed=False)
             ref = self.worker.restore.remote(req)
+        if my_loads:  # loads beyond the worker's half: read for this executor by the IO worker
+            io_ref = self.io.read.remote(plan.ctx, my_loads)
         t = time.monotonic()
         encs = ray.get([h for _, h in mine]) if mine else []
         fetched = ("fetch", -1, t, time.monotonic())
@@ -258,6 +266,16 @@ class RayRestorer:
         local = ("resident", -1, t, time.monotonic())
         if mine:
             self.decode_s = 0.7 * self.decode_s + 0.3 * (local[3] - local[2]) / len(mine)
+        mine_count, mine_loaded, mine_failed, loaded_here = 0, 0, {}, []
+        if io_ref is not None:
+            got, mine_failed = call_retrying_ref(io_ref, lambda: self.io.read.remote(plan.ctx, my_loads))
+            t = time.monotonic()
+            for i, enc in got.items():
+                s, e = ws.chunk_range(i)
+                codecs.decode(enc, out=kv[:, :, :, s:e])
+                mine_loaded += enc.nbytes
+            loaded_here = [("decode", -1, t, time.monotonic())]
+            mine_count = len(got)
         if ref is None:
             res = RestoreStats(resident=len(resident))
         else:
@@ -266,7 +284,12 @@ class RayRestorer:
             except ray.exceptions.ActorUnavailableError:  # the worker is restarting: as call_retrying does
                 res = call_retrying(self.worker.restore, req)
             res.resident = len(resident)
-        res.timeline += [fetched, local]
+        if io_ref is not None:
+            res.loaded += mine_count
+            res.loaded_bytes += mine_loaded
+            res.failed.update(mine_failed)
+            res.faults += len(mine_failed)
+        res.timeline += [fetched, local] + loaded_here
         if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
             n = -(-plan.kv_tokens // self.chunk_shape[3])
             fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
@@ -285,6 +308,22 @@ class RayRestorer:
         ws.missing = set()
         plan.recompute = sorted(set(plan.recompute) | set(res.failed) | {i for i, _, _ in plan.load})
         return res, []  # loaded chunks are re-encoded from the working set after the call
+
+
+def call_retrying_ref(ref, again, deadline_s: float = 60.0):
+    """`ray.get(ref)`; while the actor is restarting, `ray.get(again())` (a new submission)."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.ActorUnavailableError:
+        delay, end = 0.05, time.monotonic() + deadline_s
+        while True:
+            try:
+                return ray.get(again())
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
 
 
 def per_ref_seconds(io_handle, n: int = 32) -> float:
@@ -333,7 +372,7 @@ class ExecutorActor:
         self.read_rate = ReadRate(prof.io.slope if prof else 0.0)
         self.per_ref_s = per_ref_seconds(io_handle)
         restorer = RayRestorer(recompute_handle, model.cfg, shm_name, engine.limit, c.chunk_tokens,
-                               self.per_ref_s, self.read_rate)
+                               self.per_ref_s, self.read_rate, io=io_handle)
         if prof is not None:
             restorer.seed_decode(prof)
         self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle), restorer,

@@ -517,7 +517,8 @@ class OnlineCosts:
                 "observed": self.observed}
 
 
-def local_share(n_resident: int, n_load: int, read_s: float, decode_s: float, hop_s: float) -> int:
+def local_share(n_resident: int, n_load: int, read_s: float, decode_s: float, hop_s: float,
+                take_loads: bool = False) -> int:
     """How many of a restore's ``n_resident`` chunks the executor should de-quantize itself while the
     recompute worker, one hop away, reads and de-quantizes the ``n_load`` loaded chunks and the other
     resident ones (a restore without recompute: no chunk waits for another). Each side runs one
@@ -527,12 +528,18 @@ def local_share(n_resident: int, n_load: int, read_s: float, decode_s: float, ho
         worker    hop_s + read_s + (n_load + n_resident - m) * decode_s
 
     ``read_s``: the loads' read time; ``decode_s``: seconds to de-quantize one chunk on one thread.
-    All local (``n_resident``) when the worker's share would be under one chunk."""
+    All local (``n_resident``) when the worker's share would be under one chunk.
+
+    ``take_loads``: the executor may also take loaded chunks (read for it by the IO worker) when the
+    loads alone are more than the worker's half; the share can then exceed ``n_resident`` (by the
+    number of loads it takes), and the worker keeps at least one load."""
     count("n_resident", n_resident)
     count("n_load", n_load)
-    if n_resident == 0:
+    if n_resident == 0 and not take_loads:
         return 0
     if not decode_s > 0:
         return n_resident
     m = math.ceil((n_load + n_resident) / 2 + (hop_s + read_s) / (2 * decode_s))
+    if take_loads and m > n_resident and n_load > 1:
+        return min(m, n_resident + n_load - 1)
     return n_resident if n_resident - m < 1 else max(0, m)
