@@ -18,8 +18,9 @@ Ray job. The actor bodies are the plain classes of `actors.governor`, `actors.sw
 from __future__ import annotations
 
 import os
+import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import ray
@@ -32,8 +33,19 @@ from storage import codecs
 NAMESPACE = "llmaas"
 
 
+@dataclass(frozen=True, slots=True)
+class PoolRef:
+    """A resident chunk on Ray: the object ref the executor put, and a small key for it. The governor
+    keeps the whole handle (the IO worker writes from the ref); a call plan carries only the key, which
+    the executor maps back to the ref it holds, so `begin_call`'s reply carries no object refs (~90 of
+    them cost ~2 ms a restore on the way back)."""
+
+    key: int
+    ref: object
+
+
 def _ray_get(h):
-    return ray.get(h)
+    return ray.get(h.ref if isinstance(h, PoolRef) else h)
 
 
 def call_retrying(method, *args, deadline_s: float = 60.0, **kwargs):
@@ -113,9 +125,11 @@ class GovernorActor:
         # Eq. 4' groups: RayRestorer sizes them per restore (one when nothing is recomputed), so the
         # governor, which holds no model, plans with the in-process restorer's count for the default
         # model (30 layers in groups of 6)
+        self._released: list[int] = []  # keys of handles dropped since the executor last heard
+        self.epoch = os.urandom(8).hex()  # this governor process: a new one knows none of the old keys
         self.gov = MemoryGovernor(reg, _Remote(io_handle), GovernorConfig(
             pool_bytes=c.pool_bytes, chunk_tokens=c.chunk_tokens, policy=c.policy, pipeline_groups=5),
-            profile=profile, release=lambda ref: None)
+            profile=profile, release=self._release)
         self.registry = reg
         from actors.metrics import Metrics
 
@@ -130,6 +144,19 @@ class GovernorActor:
             return getattr(self.gov, method)(*args, **kwargs)
         finally:
             self._publish()
+
+    def call_from_executor(self, method: str, *args, **kwargs):
+        """`call` for the executor: returns (result, keys of the handles dropped since its last call,
+        this governor's epoch). A plan's resident chunks carry their keys, not their object refs."""
+        out = self.call(method, *args, **kwargs)
+        if method == "begin_call":
+            out.resident = [(i, level, h.key if isinstance(h, PoolRef) else h) for i, level, h in out.resident]
+        released, self._released = self._released, []
+        return out, released, self.epoch
+
+    def _release(self, handle) -> None:
+        if isinstance(handle, PoolRef):
+            self._released.append(handle.key)
 
     def _publish(self) -> None:
         """Gauges from the governor's books after every change (cheap: one pass over the chunk rows)."""
@@ -169,14 +196,37 @@ class GovernorActor:
 
 
 class _GovernorProxy:
-    """The executor's view of the governor actor: attribute calls become actor calls."""
+    """The executor's view of the governor actor: attribute calls become actor calls. Holds the object
+    refs of the chunks the executor put (`put`), by key, and drops each as the governor releases it."""
 
     def __init__(self, handle) -> None:
         self._h = handle
         self.registry = _RegistryProxy(handle)
+        self.held: dict[int, object] = {}
+        self._next_key = 0
+        self._epoch: str | None = None
+        self._lock = threading.Lock()  # the call and the write-back thread both call the governor
+
+    def put(self, enc) -> PoolRef:
+        with self._lock:
+            self._next_key += 1
+            key = self._next_key
+            ref = self.held[key] = ray.put(enc)
+        return PoolRef(key, ref)
 
     def __getattr__(self, name):
-        return lambda *a, **k: call_retrying(self._h.call, name, *a, **k)
+        def method(*a, **k):
+            out, released, epoch = call_retrying(self._h.call_from_executor, name, *a, **k)
+            with self._lock:
+                if epoch != self._epoch:  # a new governor process: it holds none of the old chunks
+                    if self._epoch is not None:
+                        self.held.clear()
+                    self._epoch = epoch
+                for key in released:
+                    self.held.pop(key, None)
+            return out
+
+        return method
 
 
 class _RegistryProxy:
@@ -196,6 +246,7 @@ class RayRestorer:
                  read_rate, io=None) -> None:
         self.worker = worker
         self.io = io  # the IO worker: the executor's own share of a restore's loads, when it takes one
+        self.held: dict | None = None  # key -> object ref of the resident chunks (the governor proxy's)
         self.cfg = cfg
         self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
         self.shm_name, self.capacity = shm_name, capacity
@@ -221,7 +272,15 @@ class RayRestorer:
         return layer_group_size(self.cfg.n_layers, self.per_ref_s, self.read_rate.s_per_byte, nbytes)
 
     def restore(self, ws, plan):
-        resident = [(i, h) for i, _, h in plan.resident]
+        resident, lost = [], []
+        for i, _level, key in plan.resident:  # keys to the refs this executor holds
+            ref = self.held.get(key) if self.held is not None else key
+            if ref is None:
+                lost.append(i)
+            else:
+                resident.append((i, ref))
+        if lost:  # not expected (the governor reports every handle it drops): recompute rather than fail
+            plan.recompute = sorted(set(plan.recompute) | set(lost))
         if not plan.recompute:  # nothing reads other chunks' K/V: decode the resident ones here
             return self._restore_split(ws, plan, resident)
         size = self.group_size(plan)
@@ -375,8 +434,10 @@ class ExecutorActor:
                                self.per_ref_s, self.read_rate, io=io_handle)
         if prof is not None:
             restorer.seed_decode(prof)
-        self.ex = ModelExecutor(engine, _GovernorProxy(gov_handle), restorer,
-                                working_set=ws, put=ray.put, background=True)  # write-back after the reply
+        gov = _GovernorProxy(gov_handle)
+        restorer.held = gov.held
+        self.ex = ModelExecutor(engine, gov, restorer,
+                                working_set=ws, put=gov.put, background=True)  # write-back after the reply
         # after a restart: the call in flight died with the old process, whose objects (the resident
         # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
         interrupted = self.ex.gov.executor_started()
@@ -433,6 +494,12 @@ class ExecutorActor:
         if not self.ex.restorer.decode_seeded:
             self.ex.restorer.seed_decode(prof)
         return prof.to_json()
+
+    def held_refs(self) -> int:
+        """Object refs of resident chunks this executor holds (equal to the governor's resident chunks
+        once a call's write-back is done: tests check that none leaks)."""
+        self.ex.flush()
+        return len(self.ex.gov.held)
 
     def per_ref_cost(self) -> float:
         """Seconds one streamed object ref costs (measured at start)."""

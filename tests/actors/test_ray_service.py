@@ -157,6 +157,9 @@ def test_executor_killed_mid_call_restarts_and_answers_exactly(ray_cluster, refe
     outs = [svc.call(tok, c, p, max_tokens=8) for c, p in zip(ctxs, FOLLOW)]
     assert [o["token_ids"] for o in outs] == reference[1]
     assert all(o["restore"]["resident"] == 0 for o in outs[:1])  # nothing came from the old objects
+    # the executor holds the refs of exactly the chunks the governor counts resident (none leaked)
+    held = ray.get(svc.executor.held_refs.remote())
+    assert held == len(ray.get(svc.gov.call.remote("held_handles"))) and held > 0
     svc.shutdown()
 
 
