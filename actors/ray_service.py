@@ -104,10 +104,9 @@ class GovernorActor:
     def __init__(self, cfg: dict, io_handle, fingerprint: str) -> None:
         from actors.governor import GovernorConfig, MemoryGovernor
         from storage.heap import retain_freed_memory
-
-        retain_freed_memory()
         from storage.registry import Registry, RegistryConfig
 
+        retain_freed_memory()
         c = ServiceConfig(**cfg)
         reg = Registry(str(Path(c.data_dir) / "registry.db"), config=RegistryConfig(
             max_contexts_per_app=c.max_contexts_per_app, chunk_tokens=c.chunk_tokens))
@@ -410,7 +409,6 @@ class ExecutorActor:
         from engine.context import ContextEngine
         from engine.kvcache import KVCache
         from engine.model import Transformer
-
         from storage.heap import retain_freed_memory
 
         torch.set_num_threads(max(1, threads))

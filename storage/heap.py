@@ -5,8 +5,9 @@ megabyte a process touches costs ~0.35 ms. glibc serves allocations above its mm
 raised dynamically up to 32 MiB) with fresh mappings and trims the heap's free top beyond its trim
 threshold, so a process that allocates and frees MB-sized buffers again and again (chunk payloads,
 codec outputs, file read buffers) faults them in every time. Encoding a whole 2048-token context
-(128 chunks) on one thread, `python -m bench.storage_speed`, 2026-11-22: raw 46.1 -> 14.9 ms, fp16
-24.4 -> 14.6, q8 44.9 -> 35.4, q4 49.4 -> 44.1, q2 46.7 -> 41.2 (docs/benchmarks.md, "Storage").
+(128 chunks) on one thread, `python -m bench.storage_speed` against `--no-heap-retain`, 2026-11-22,
+two runs each: raw 43-45 -> 15 ms, bf16 33-34 -> 21, q8 42-43 -> 35-36, q4 45-47 -> 40, fp16 and q2
+unchanged; on Ray, switching ~5% faster (docs/benchmarks.md, "Heap retention").
 
 The price is resident memory: up to `trim_mib` of freed memory at the heap's top stays with the process
 (freed blocks inside the heap are reused either way). The service's actor processes call
