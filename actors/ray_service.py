@@ -326,7 +326,10 @@ class RayRestorer:
             self.decode_s = 0.7 * self.decode_s + 0.3 * (local[3] - local[2]) / len(mine)
         mine_count, mine_loaded, mine_failed, loaded_here = 0, 0, {}, []
         if io_ref is not None:
-            got, mine_failed = call_retrying_ref(io_ref, lambda: self.io.read.remote(plan.ctx, my_loads))
+            try:
+                got, mine_failed = ray.get(io_ref)
+            except ray.exceptions.ActorUnavailableError:  # the IO worker is restarting
+                got, mine_failed = call_retrying(self.io.read, plan.ctx, my_loads)
             t = time.monotonic()
             for i, enc in got.items():
                 s, e = ws.chunk_range(i)
@@ -366,22 +369,6 @@ class RayRestorer:
         ws.missing = set()
         plan.recompute = sorted(set(plan.recompute) | set(res.failed) | {i for i, _, _ in plan.load})
         return res, []  # loaded chunks are re-encoded from the working set after the call
-
-
-def call_retrying_ref(ref, again, deadline_s: float = 60.0):
-    """`ray.get(ref)`; while the actor is restarting, `ray.get(again())` (a new submission)."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.ActorUnavailableError:
-        delay, end = 0.05, time.monotonic() + deadline_s
-        while True:
-            try:
-                return ray.get(again())
-            except ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > end:
-                    raise
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
 
 
 def per_ref_seconds(io_handle, n: int = 32) -> float:
