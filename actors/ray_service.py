@@ -214,18 +214,31 @@ class _GovernorProxy:
         return PoolRef(key, ref)
 
     def __getattr__(self, name):
-        def method(*a, **k):
-            out, released, epoch = call_retrying(self._h.call_from_executor, name, *a, **k)
-            with self._lock:
-                if epoch != self._epoch:  # a new governor process: it holds none of the old chunks
-                    if self._epoch is not None:
-                        self.held.clear()
-                    self._epoch = epoch
-                for key in released:
-                    self.held.pop(key, None)
-            return out
+        return lambda *a, **k: self._settle(*call_retrying(self._h.call_from_executor, name, *a, **k))
 
-        return method
+    def begin_call_nowait(self, ctx: str, app: str | None):
+        """`begin_call(ctx, app, cached=True)` sent without waiting (a call on the context the working
+        set holds); returns the function that waits for it and raises its error."""
+        ref = self._h.call_from_executor.remote("begin_call", ctx, app, cached=True)
+
+        def confirm():
+            try:
+                out = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:  # the governor is restarting: ask the new one
+                out = call_retrying(self._h.call_from_executor, "begin_call", ctx, app, cached=True)
+            return self._settle(*out)
+
+        return confirm
+
+    def _settle(self, out, released: list[int], epoch: str):
+        with self._lock:
+            if epoch != self._epoch:  # a new governor process: it holds none of the old chunks
+                if self._epoch is not None:
+                    self.held.clear()
+                self._epoch = epoch
+            for key in released:
+                self.held.pop(key, None)
+        return out
 
 
 class _RegistryProxy:
