@@ -199,7 +199,6 @@ class ModelExecutor:
         self.put = put
         self.chunk = engine.cfg.chunk_tokens
         self.ws = working_set or self.model.new_cache(engine.limit)
-        self.ws_ctx: str | None = None
         self._last: tuple[str, str | None, EngineContext] | None = None
         """(context, app, engine context) of the last call, while the working set holds it."""
         self.level_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[
@@ -209,6 +208,17 @@ class ModelExecutor:
                     if background else None)
         self._pending: Future | None = None
         self._lock = threading.Lock()
+
+    @property
+    def ws_ctx(self) -> str | None:
+        """The context the working set holds whole, from its last call (None: restore next time)."""
+        return self._last[0] if self._last is not None else None
+
+    @ws_ctx.setter
+    def ws_ctx(self, value: None) -> None:
+        if value is not None:
+            raise ValueError("the working set's context is set by a call, not assigned")
+        self._last = None
 
     # ---- contexts ---------------------------------------------------------------------------------
     def new_ctx(self, app: str, system_prompt: str | None = None,
@@ -254,7 +264,7 @@ class ModelExecutor:
             cached = self.ws_ctx == ctx_id and not self.ws.missing
             # the working set holds this context from the same app's last call: nothing to restore, and
             # a governor one hop away (Ray) takes the lock while the call runs, checked before the commit
-            last = self._last if cached and self._last is not None and self._last[:2] == (ctx_id, app) else None
+            last = self._last if cached and self._last[1] == app else None
             nowait = getattr(self.gov, "begin_call_nowait", None) if last is not None else None
             confirm = None
             if nowait is not None:
@@ -293,13 +303,13 @@ class ModelExecutor:
                     confirm = None
                 todo = self._commit(plan, ectx, first_modified, restored=list(plan.recompute))
             except BaseException:
-                self.ws_ctx, self._last = None, None  # the working set may hold a half call: restore next time
+                self._last = None  # the working set may hold a half call: restore next time
                 if confirm is not None:
                     with contextlib.suppress(Exception):
                         confirm()
                 self.gov.abort_call(ctx_id)
                 raise
-            self.ws_ctx, self._last = ctx_id, (ctx_id, app, ectx)
+            self._last = (ctx_id, app, ectx)
             job = lambda: self._write_back(ctx_id, todo)  # noqa: E731
             if self._bg is not None:
                 self._pending = self._bg.submit(job)
