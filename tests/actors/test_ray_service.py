@@ -163,26 +163,35 @@ def test_executor_killed_mid_call_restarts_and_answers_exactly(ray_cluster, refe
     svc.shutdown()
 
 
-def test_recompute_worker_killed_mid_restore_is_retried_exactly(ray_cluster, reference, tmp_path):
-    """The recompute worker killed while it reads a context back (storage throttled to 1 MB/s, so the
-    restore takes seconds): the executor waits for Ray to restart it and hands the restore over again;
-    the call completes with the right answer. Before, the dead worker's resource tracker unlinked the
-    executor's working-set segment and the restarted worker could not attach."""
+def test_actor_killed_mid_restore_is_retried_exactly(ray_cluster, reference, tmp_path):
+    """Each actor other than the executor killed while a context is read back (storage throttled to
+    1 MB/s, so the restore takes seconds; one victim per follow-up call): Ray restarts it, the
+    executor hands its part over again (recompute worker, IO worker) or asks the new governor, which
+    rebuilds its books from the registry; the call completes with the right answer, and so do the
+    calls after it. Before, a dead recompute worker's resource tracker unlinked the executor's
+    working-set segment and the restarted worker could not attach."""
     import signal
     import threading
 
-    svc = start(tmp_path, "vllm-s", "t-killw", pool_bytes=1 << 20, read_bytes_per_s=1e6, read_burst_bytes=16 << 10)
+    victims = ("recompute", "io", "gov")
+    svc = start(tmp_path, "vllm-s", "t-kill", pool_bytes=1 << 20, read_bytes_per_s=1e6, read_burst_bytes=16 << 10)
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
     assert [svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)] == reference[0]
-    ray.get(svc.executor.flush.remote())
-    pid = lambda: ray.get(svc.recompute.__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
-    before = pid()
-    kill_after_s = 0.5
-    threading.Timer(kill_after_s, os.kill, (before, signal.SIGKILL)).start()  # as the OOM killer would
-    o = svc.call(tok, ctxs[0], FOLLOW[0], max_tokens=8)
-    assert o["restore"]["loaded"] >= 1 and o["switch_ms"] > kill_after_s * 1000  # killed during this restore
-    assert pid() != before  # and restarted
-    outs = [o] + [svc.call(tok, c, p, max_tokens=8) for c, p in zip(ctxs[1:], FOLLOW[1:])]
+    outs = []
+    for k, (c, p) in enumerate(zip(ctxs, FOLLOW)):
+        if k >= len(victims):
+            outs.append(svc.call(tok, c, p, max_tokens=8))
+            continue
+        ray.get(svc.executor.flush.remote())
+        handle = getattr(svc, victims[k])
+        pid = lambda h=handle: ray.get(h.__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
+        before = pid()
+        kill_after_s = 0.5
+        threading.Timer(kill_after_s, os.kill, (before, signal.SIGKILL)).start()  # as the OOM killer would
+        o = svc.call(tok, c, p, max_tokens=8)
+        assert o["restore"]["loaded"] >= 1 and o["switch_ms"] > kill_after_s * 1000, victims[k]  # killed in it
+        assert pid() != before, victims[k]  # and restarted
+        outs.append(o)
     assert [x["token_ids"] for x in outs] == reference[1]
     svc.shutdown()
