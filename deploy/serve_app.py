@@ -14,6 +14,7 @@ see the route annotations as real types to parse bodies.)
 """
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -299,6 +300,16 @@ class Ingress:
                               prefix=f"llmaas-{uuid.uuid4().hex[:8]}")
         self.gov, self.executor = self.svc.gov, self.svc.executor
         self.model_id = self.svc.model_id
+
+    def __del__(self) -> None:
+        """Serve calls this when the replica shuts down (`serve shutdown`, a redeploy): the executor closes
+        its working set (a shared-memory segment the size of a context's K/V, which outlives a killed
+        process) before the actors are taken down."""
+        svc = getattr(self, "svc", None)
+        if svc is not None:
+            self.svc = None
+            with contextlib.suppress(Exception):
+                svc.shutdown()
 
     # ---- helpers ------------------------------------------------------------------------------------
     async def _app(self, request: Request) -> str:

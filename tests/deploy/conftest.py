@@ -50,6 +50,7 @@ def server(ray_cluster, tmp_path_factory):
     from ray import serve
 
     data = tmp_path_factory.mktemp("serve-data")
+    segments = set(Path("/dev/shm").glob("llmaas-*-ws-*"))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     opts = dict(data_dir=str(data), policy="llms", pool_bytes=2 << 20, max_context_tokens=1024, profile=PROFILE,
@@ -63,3 +64,5 @@ def server(ray_cluster, tmp_path_factory):
     print(f"serve app started in {time.monotonic() - t:.1f} s")
     yield srv
     serve.shutdown()
+    # every replica closed its executor's working-set segment (RAM under /dev/shm) on the way down
+    assert set(Path("/dev/shm").glob("llmaas-*-ws-*")) <= segments
