@@ -383,10 +383,12 @@ class ModelExecutor:
         )
 
     def _write_back(self, ctx: str, todo: dict[int, str]) -> None:
-        """Encode the chunks the governor asked for and admit them to the pool (after the reply)."""
+        """Encode the chunks the governor asked for and admit them to the pool (after the reply). The
+        chunks are encoded straight from the working set: the next call waits for this (`flush`)
+        before it writes there."""
         encoded, starts = [], {}
         for i, level in sorted(todo.items()):
-            enc = codecs.encode(self.ws.export_chunk(i), level, dtype=self.level_dtype)
+            enc = codecs.encode(self.ws.chunk_array(i), level, dtype=self.level_dtype)
             encoded.append((i, level, self.put(enc), enc.nbytes))
             starts[i] = i * self.chunk
         self.gov.admit(ctx, encoded, starts)

@@ -23,8 +23,8 @@ from storage.chunkfile import ChunkStore, ChunkStoreConfig
 
 #: part of a cached profile's identity: bump it when a change makes the measured paths (recompute,
 #: chunk reads, de-quantizing) materially faster or slower, so cached profiles are measured again
-#: (2: de-quantizing in torch, 1.7-1.9x faster)
-PROFILE_VERSION = 2
+#: (2: de-quantizing in torch, 1.7-1.9x faster; 3: the compiled kernels of storage/kvquant.c, ~2x again)
+PROFILE_VERSION = 3
 PROFILE_TOKENS = 1024
 RECOMPUTE_POINTS = (1, 2, 4, 8)
 IO_LEVELS = ("q2", "q4", "q8", "fp16", "raw")

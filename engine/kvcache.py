@@ -120,6 +120,15 @@ class KVCache:
         self._check_present(i)
         return _to_numpy(self.chunk_view(i))
 
+    def chunk_array(self, i: int) -> np.ndarray:
+        """Chunk `i` as a numpy `[L, 2, Hkv, T, D]` for encoding: on the CPU a view of the slots (no copy;
+        valid until they are next written), elsewhere a copy in host memory."""
+        self._check_present(i)
+        v = self.chunk_view(i).detach()
+        if v.device.type != "cpu":
+            return _to_numpy(v)
+        return (v.view(torch.uint16) if v.dtype == torch.bfloat16 else v).numpy()
+
     def export_chunk_layer(self, i: int, layer: int) -> np.ndarray:
         """A copy of one layer of chunk `i` as `[2, Hkv, T, D]`."""
         self._check_present(i)

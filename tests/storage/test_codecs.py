@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 
 from storage import codecs as C
 from storage.errors import ChunkVersionError, UnknownLevelError
-from tests.storage.helpers import SHAPE, synthetic_kv
+from tests.storage.helpers import SHAPE, assert_within_quant_bound, synthetic_kv
 
 QUANT = ("q8", "q4", "q2")
-EPS32 = float(np.finfo(np.float32).eps)
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -26,16 +25,6 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def assert_within_quant_bound(x: np.ndarray, enc: C.EncodedChunk, y: np.ndarray) -> None:
-    """|x - x'| <= s/2 per channel plus a few float32 ulps of the channel's largest |value|."""
-    s = C.scales(enc)  # [L, 2, H, 1, D]
-    err = np.abs(x.astype(np.float64) - y.astype(np.float64))
-    amax = np.abs(x).max(axis=3, keepdims=True).astype(np.float64)
-    bound = s.astype(np.float64) / 2 + 4 * EPS32 * amax
-    worst = float((err - bound).max())
-    assert worst <= 0, f"{enc.level}: error exceeds s/2 by {worst}"
 
 
 def assert_scale_not_inflated(x: np.ndarray, enc: C.EncodedChunk) -> None:

@@ -1,0 +1,124 @@
+"""Native kernels: C sources shipped in this package, compiled at first use with the machine's C
+compiler into the cache folder, and loaded with ctypes.
+
+Why: the quantized codecs' hot loops (storage/kvquant.c) are memory-bound single passes that numpy
+and torch can only express as several passes over temporaries; in C each is one pass (numbers in
+docs/benchmarks.md, "Native codec kernels"). The C code does the reference's arithmetic operation
+for operation (no fused multiply-add), so the bytes are the same either way, and every caller keeps
+its numpy/torch path: without a compiler, or with ``LLMAAS_NATIVE=0``, nothing changes but speed.
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -ffp-contract=off -shared -fPIC``, into
+``$LLMAAS_CACHE_DIR/kernels`` (default ``~/.cache/llmaas/kernels``), under a name that hashes the
+source, the flags, the compiler and this CPU (``-march=native`` code must not run on
+another CPU that shares the cache folder). The library is written under a temporary name and renamed,
+so processes that start at once each compile and the last rename wins, never a torn file. A failed
+build warns once per process and leaves the fallback in place. ctypes releases the GIL around every
+call, so callers may run kernels on several threads.
+
+No torch, no Ray: a store-only process stays light.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+ENV_SWITCH = "LLMAAS_NATIVE"  # "0" turns the native kernels off (the numpy/torch paths run instead)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120.0
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def enabled() -> bool:
+    """Whether native kernels may be used in this process (``LLMAAS_NATIVE`` is not "0")."""
+    return os.environ.get(ENV_SWITCH, "1").strip() != "0"
+
+
+def kernel_dir() -> Path:
+    """Where compiled kernels are cached: ``$LLMAAS_CACHE_DIR/kernels`` or ``~/.cache/llmaas/kernels``
+    (the model cache's root, as engine.loader.cache_root; storage does not import the engine)."""
+    env = os.environ.get("LLMAAS_CACHE_DIR")
+    return (Path(env) if env else Path.home() / ".cache" / "llmaas") / "kernels"
+
+
+def _cpu_identity() -> str:
+    """The CPU model and its feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 16)
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines()[:64]
+            if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part", "CPU implementer")]
+    return platform.machine() + "\n" + "\n".join(dict.fromkeys(keep))
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "cc")
+    return shutil.which(cc)
+
+
+def library_path(name: str, source: Path, cc: str) -> Path:
+    """The cached library for this source, compiler, flags and CPU. The compiler is identified by its
+    real path, size and modification time (no process is started to ask its version)."""
+    real = os.path.realpath(cc)
+    st = os.stat(real)
+    compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
+    h = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_identity().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return kernel_dir() / f"{name}-{h.hexdigest()[:16]}.so"
+
+
+def build(name: str, source: Path, cc: str) -> Path:
+    """Compile ``source`` (if not cached) and return the library's path; raises on failure."""
+    target = library_path(name, source, cc)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
+                           timeout=BUILD_TIMEOUT_S)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library ``name`` (from ``storage/<name>.c``), or None when native kernels are off
+    or cannot be built here (a warning says why, once per process). Built on first use."""
+    if not enabled():
+        return None
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib = None
+        source = Path(__file__).with_name(f"{name}.c")
+        cc = _compiler()
+        try:
+            if cc is None:
+                raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)")
+            lib = ctypes.CDLL(str(build(name, source, cc)))
+        except Exception as e:  # any failure leaves the numpy/torch paths in place
+            warnings.warn(f"llmaas: native kernels {name!r} unavailable, using the slower numpy/torch path "
+                          f"({e}); set {ENV_SWITCH}=0 to skip the build", RuntimeWarning, stacklevel=2)
+            lib = None
+        _loaded[name] = lib
+        return lib

@@ -1,0 +1,141 @@
+"""The compiled codec kernels (storage/kvquant.c via storage/native.py): the same bytes and values as
+the numpy reference at every quantized level, and a build that falls back cleanly."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from storage import codecs as C
+from storage import native
+from tests.storage.helpers import assert_within_quant_bound, synthetic_kv
+
+QUANT = ("q8", "q4", "q2")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernels must build on the test machine (CI has a C compiler); LLMAAS_NATIVE=0 skips."""
+    if not native.enabled():
+        pytest.skip("native kernels switched off (LLMAAS_NATIVE=0)")
+    lib = C._kvq()
+    assert lib is not None, "storage/kvquant.c did not build here (see the RuntimeWarning)"
+    assert lib.kvq_encode_f16 is not None, "the compiler has no _Float16: the fused encode is missing"
+    return lib
+
+
+def both(monkeypatch, kv: np.ndarray, level: str, out_shape) -> dict[bool, tuple]:
+    """(params, payload bytes, decoded bytes) with the kernels on and with the numpy reference."""
+    got = {}
+    for use in (True, False):
+        monkeypatch.setattr(C, "USE_NATIVE", use)
+        monkeypatch.setattr(C, "USE_TORCH", use)  # the reference: numpy only
+        enc = C.encode(kv, level)
+        out = np.full(out_shape, np.nan, np.float32)[:, :, :, 8 : 8 + kv.shape[3]]  # a strided slot
+        C.decode(enc, out=out)
+        got[use] = (enc.params, enc.payload.tobytes(), out.tobytes())
+    return got
+
+
+@pytest.mark.parametrize("level", QUANT)
+def test_kernels_match_the_reference_bytes_and_values(monkeypatch, kernels, level):
+    x = synthetic_kv()
+    # ties and edge values: exact fp16 ties, signed zeros, subnormals, a constant channel
+    x.flat[:6] = [-0.0, 0.0, 2.0**-25, 3 * 2.0**-25, -1e-30, 64999.0]
+    x.flat[6:300] = np.float16(x.flat[6:300]) + np.float32(2.0**-12)
+    x[3, 1, 2, :, 7] = 1.25
+    ctx = np.zeros((30, 2, 3, 48, 64), np.float32)
+    ctx[:, :, :, 16:32] = x
+    src = ctx[:, :, :, 16:32]  # a strided chunk of a context buffer, as the executor exports it
+    got = both(monkeypatch, src, level, (30, 2, 3, 48, 64))
+    assert got[True][0] == "f16"
+    assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("level", QUANT)
+def test_float32_parameters_match_the_reference(monkeypatch, kernels, level):
+    """A value of 65000 or more needs float32 parameters: the fused encode hands the chunk back and
+    the two-pass kernels (min/max, numpy parameters, quantize) encode it."""
+    x = synthetic_kv((4, 2, 3, 16, 64), seed=3)
+    x.flat[:3] = [70000.0, -1e9, 65520.0]
+    got = both(monkeypatch, x, level, (4, 2, 3, 48, 64))
+    assert got[True][0] == "f32"
+    assert got[True] == got[False]
+
+
+def test_nan_is_refused_on_both_paths(monkeypatch, kernels):
+    x = synthetic_kv((2, 2, 1, 16, 8))
+    x[1, 0, 0, 5, 3] = np.nan
+    for use in (True, False):
+        monkeypatch.setattr(C, "USE_NATIVE", use)
+        with pytest.raises(ValueError, match="inf or nan"):
+            C.encode(x, "q4")
+
+
+@settings(max_examples=40, deadline=None)
+@given(nl=st.integers(1, 3), h=st.integers(1, 4), t=st.sampled_from([4, 8, 12, 16, 32]),
+       d=st.sampled_from([1, 6, 8, 64, 72]), scale=st.floats(1e-4, 1e4), offset=st.floats(-1e4, 1e4),
+       seed=st.integers(0, 2**16), level=st.sampled_from(QUANT))
+def test_kernels_match_the_reference_on_any_shape(kernels, nl, h, t, d, scale, offset, seed, level):
+    x = (offset + scale * np.random.default_rng(seed).standard_normal((nl, 2, h, t, d))).astype(np.float32)
+    got = {}
+    try:
+        for use in (True, False):
+            C.USE_NATIVE = C.USE_TORCH = use
+            enc = C.encode(x, level)
+            got[use] = (enc.params, enc.payload.tobytes(), C.decode(enc).tobytes())
+    finally:
+        C.USE_NATIVE = C.USE_TORCH = True
+    assert got[True] == got[False]
+
+
+def test_read_only_payload_decodes_in_place(kernels):
+    """A payload straight out of the object store is read-only: the kernel reads it without a copy."""
+    enc = C.encode(synthetic_kv(), "q2")
+    ro = enc.payload.copy()
+    ro.flags.writeable = False
+    from dataclasses import replace
+
+    np.testing.assert_array_equal(C.decode(replace(enc, payload=ro)), C.decode(enc))
+
+
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("LLMAAS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    lib = native.load("kvquant")
+    assert lib is not None
+    built = sorted(os.listdir(tmp_path / "kernels"))
+    assert len(built) == 1 and built[0].startswith("kvquant-") and built[0].endswith(".so")  # no temporaries
+    mtime = (tmp_path / "kernels" / built[0]).stat().st_mtime_ns
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("kvquant") is not None
+    assert (tmp_path / "kernels" / built[0]).stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_missing_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMAAS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(C, "_kvq_lib", [])
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert C._kvq() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.load("kvquant") is None  # remembered: no second warning, no second attempt
+        x = synthetic_kv((2, 2, 3, 16, 64))
+        enc = C.encode(x, "q8")  # the numpy/torch path
+        assert_within_quant_bound(x, enc, C.decode(enc))
+    assert not (tmp_path / "kernels").exists() or not os.listdir(tmp_path / "kernels")
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert not native.enabled() and native.load("kvquant") is None
