@@ -1,8 +1,10 @@
 """Engine speed against Hugging Face transformers on the same weights, in one script.
 
 Measures prefill tokens/s at 512 and 2048 tokens and decode tokens/s for (a) the engine as the service
-runs it (information density on), (b) the engine without density, (c) the engine with torch's fused
-attention (no density), and (d) transformers (SDPA attention, KV cache). Runs are interleaved so that
+runs it (information density on; attention in the compiled kernel of engine/attention.c when it builds),
+(b) the engine without density, (c) the engine with density in its torch blockwise kernel (the
+fallback), (d) the engine with torch's fused attention (no density), and (e) transformers (SDPA
+attention, KV cache). Runs are interleaved so that
 background load affects every variant alike; the median of the repeats is reported. Also measures cold
 and warm model load in fresh subprocesses.
 
@@ -66,10 +68,12 @@ def main(argv=None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(str(resolved.directory), dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
 
-    def eng_prefill(ids, mode):
+    def eng_prefill(ids, mode, native=True):
+        eng.engine_cfg.native_attention = native
         cache = eng.new_cache(len(ids))
         dens = torch.zeros(len(ids)) if mode == "density" else None
         eng.forward(cache, ids, density=dens, sdpa=(mode == "sdpa"))
+        eng.engine_cfg.native_attention = True
 
     def hf_prefill(ids):
         hf(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
@@ -77,6 +81,7 @@ def main(argv=None) -> int:
     variants = {
         "engine (density on)": lambda ids: eng_prefill(ids, "density"),
         "engine (density off)": lambda ids: eng_prefill(ids, "off"),
+        "engine (density on, torch kernel)": lambda ids: eng_prefill(ids, "density", native=False),
         "engine (fused SDPA, no density)": lambda ids: eng_prefill(ids, "sdpa"),
         "transformers (SDPA)": hf_prefill,
     }

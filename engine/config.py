@@ -132,6 +132,9 @@ class EngineConfig:
     """Query rows per attention block in prefill; 0 sizes blocks to keep scores near 4.5 MiB."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
+    native_attention: bool = True
+    """Prefill attention (with density) in the compiled kernel of `engine/attention.c` on CPU float32
+    when it builds here; False keeps the torch blockwise kernel (the reference in tests)."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:

@@ -12,10 +12,18 @@ forward is a list of query rows at given positions; prefill, decode and recomput
 
 `recompute_layer` is the per-layer step a recompute worker drives while later layers are still being
 loaded. The engine knows nothing about tokenization, chat templates, files or Ray.
+
+Attention of 16 or more rows on the CPU in float32 runs in the compiled kernel of `engine/attention.c`
+(built at first use by `storage.native`; one fused pass per block of rows: scores, softmax, density
+column sums, P V, with blocks sized for the caches), which is what takes the engine's prefill with
+density past transformers' fused SDPA prefill on this machine (docs/benchmarks.md, "Engine speed").
+Elsewhere (decode rows, CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
+kernel `_attend` runs; both are tested against a naive full-matrix reference.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import warnings
 from dataclasses import dataclass
@@ -27,13 +35,32 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
+from storage import native
 
 SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-row blocks at 2048 tokens. Measured
 # on the 2-core Xeon (CPU time, single thread): 64-row blocks beat 32- and 48-row ones at 2048 tokens by 2-4%,
 # and under load from other processes fewer, larger blocks suffer less from OpenMP barrier waits; blocks of
 # hundreds of rows spill the 2 MiB L2 and cost more
+NATIVE_MIN_ROWS = 16  # fewer query rows (decode, a short turn) stay in torch: the kernel copies K transposed
+# once per call, which pays off only when enough rows share it
 MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alone gives 256 rows at 512 tokens:
 # 2 blocks, a third of the scores masked; 64-row blocks made 512-token prefill ~5% faster, session 7)
+
+
+_ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
+
+
+def attention_kernel():
+    """The compiled attention kernel with its signature declared, or None (off, or no compiler)."""
+    if not _ATTENTION:
+        lib = native.load("attention", Path(__file__).with_name("attention.c"), native.FAST_FLAGS)
+        if lib is not None:
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            lib.attn_forward.argtypes = (ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float,
+                                         ptr, i64, ptr, ctypes.c_int)
+            lib.attn_forward.restype = ctypes.c_int
+        _ATTENTION.append(lib)
+    return _ATTENTION[0]
 
 
 @dataclass(slots=True)
@@ -319,6 +346,8 @@ class Transformer:
             cache.v[layer].index_copy_(1, pos, v.transpose(0, 1))
         if sdpa:
             attn = self._attend_sdpa(layer, q, pos, cache)
+        elif self._native_rows(n, pos):
+            attn = self._attend_native(layer, q, pos, cache, density)
         else:
             attn = self._attend(layer, q, pos, cache, density)
         # residual adds folded into the GEMMs (beta = 1), SiLU and the gate product in place: fewer
@@ -383,6 +412,34 @@ class Transformer:
         if density is not None:
             density[:s_all] += col.sum(dim=(0, 1))
         return out.view(hkv, n, g, d).transpose(0, 1).reshape(n, cfg.n_heads * d)
+
+    def _native_rows(self, n: int, pos: torch.Tensor) -> bool:
+        """Whether these rows go to the compiled kernel: CPU float32, head dim a multiple of 16, enough
+        rows for the keys they see (the kernel copies K transposed once per call), and it builds."""
+        return (self.engine_cfg.native_attention and n >= NATIVE_MIN_ROWS and self.device.type == "cpu"
+                and self.dtype == torch.float32 and self.cfg.head_dim % 16 == 0
+                and 8 * n >= int(pos[-1]) + 1 and attention_kernel() is not None)
+
+    def _attend_native(self, layer, q, pos, cache, density) -> torch.Tensor:
+        """`_attend` in engine/attention.c: the same result up to float32 rounding (tested against the
+        naive reference), one fused pass per block of rows (scores, softmax, column sums, P V) on the
+        process's torch thread count."""
+        cfg = self.cfg
+        n, d = q.shape[0], cfg.head_dim
+        k, v = cache.k[layer], cache.v[layer]  # [Hkv, T, D]
+        if q.stride(2) != 1 or q.stride(1) != d or k.stride(1) != d or v.stride(1) != d:
+            raise RuntimeError("attention kernel needs rows of contiguous heads")
+        pos = pos if pos.dtype == torch.int64 and pos.is_contiguous() else pos.to(torch.int64).contiguous()
+        if density is not None and not (density.dtype == torch.float32 and density.is_contiguous()):
+            raise RuntimeError("density must be a contiguous float32 tensor")
+        out = torch.empty(n, cfg.n_heads * d, dtype=q.dtype, device=q.device)
+        rc = attention_kernel().attn_forward(
+            q.data_ptr(), q.stride(0), pos.data_ptr(), n, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            cfg.n_kv_heads, cfg.group, d, self.scale, out.data_ptr(), out.stride(0),
+            density.data_ptr() if density is not None else None, torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("attention kernel could not allocate its scratch")
+        return out
 
     def _attend_sdpa(self, layer, q, pos, cache) -> torch.Tensor:
         cfg = self.cfg

@@ -7,7 +7,8 @@ docs/benchmarks.md, "Native codec kernels"). The C code does the reference's ari
 for operation (no fused multiply-add), so the bytes are the same either way, and every caller keeps
 its numpy/torch path: without a compiler, or with ``LLMAAS_NATIVE=0``, nothing changes but speed.
 
-Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -ffp-contract=off -shared -fPIC``, into
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -shared -fPIC`` (and ``-ffp-contract=off`` for
+kernels that must match a reference bit for bit), into
 ``$LLMAAS_CACHE_DIR/kernels`` (default ``~/.cache/llmaas/kernels``), under a name that hashes the
 source, the flags, the compiler and this CPU (``-march=native`` code must not run on
 another CPU that shares the cache folder). The library is written under a temporary name and renamed,
@@ -15,7 +16,8 @@ so processes that start at once each compile and the last rename wins, never a t
 build warns once per process and leaves the fallback in place. ctypes releases the GIL around every
 call, so callers may run kernels on several threads.
 
-No torch, no Ray: a store-only process stays light.
+The engine's attention kernel (engine/attention.c) is built the same way; this module is the one
+place that knows how to build and load C. No torch, no Ray: a store-only process stays light.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ import warnings
 from pathlib import Path
 
 ENV_SWITCH = "LLMAAS_NATIVE"  # "0" turns the native kernels off (the numpy/torch paths run instead)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
+#: kernels that must reproduce a reference's arithmetic: no fused multiply-add
+EXACT_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
+#: kernels judged by tolerance (attention): fused multiply-add allowed, threads
+FAST_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-std=c11", "-pthread", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120.0
 
 _lock = threading.Lock()
@@ -68,29 +73,29 @@ def _compiler() -> str | None:
     return shutil.which(cc)
 
 
-def library_path(name: str, source: Path, cc: str) -> Path:
+def library_path(name: str, source: Path, cc: str, flags: tuple[str, ...] = EXACT_FLAGS) -> Path:
     """The cached library for this source, compiler, flags and CPU. The compiler is identified by its
     real path, size and modification time (no process is started to ask its version)."""
     real = os.path.realpath(cc)
     st = os.stat(real)
     compiler = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     h = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_identity().encode()):
+    for part in (source.read_bytes(), " ".join(flags).encode(), compiler.encode(), _cpu_identity().encode()):
         h.update(part)
         h.update(b"\0")
     return kernel_dir() / f"{name}-{h.hexdigest()[:16]}.so"
 
 
-def build(name: str, source: Path, cc: str) -> Path:
+def build(name: str, source: Path, cc: str, flags: tuple[str, ...] = EXACT_FLAGS) -> Path:
     """Compile ``source`` (if not cached) and return the library's path; raises on failure."""
-    target = library_path(name, source, cc)
+    target = library_path(name, source, cc, flags)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
+        r = subprocess.run([cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
                            timeout=BUILD_TIMEOUT_S)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
@@ -101,21 +106,21 @@ def build(name: str, source: Path, cc: str) -> Path:
     return target
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled library ``name`` (from ``storage/<name>.c``), or None when native kernels are off
-    or cannot be built here (a warning says why, once per process). Built on first use."""
+def load(name: str, source: Path | None = None, flags: tuple[str, ...] = EXACT_FLAGS) -> ctypes.CDLL | None:
+    """The compiled library ``name`` (from ``source``, default ``storage/<name>.c``), or None when native
+    kernels are off or cannot be built here (a warning says why, once per process). Built on first use."""
     if not enabled():
         return None
     with _lock:
         if name in _loaded:
             return _loaded[name]
         lib = None
-        source = Path(__file__).with_name(f"{name}.c")
+        source = source or Path(__file__).with_name(f"{name}.c")
         cc = _compiler()
         try:
             if cc is None:
                 raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)")
-            lib = ctypes.CDLL(str(build(name, source, cc)))
+            lib = ctypes.CDLL(str(build(name, source, cc, flags)))
         except Exception as e:  # any failure leaves the numpy/torch paths in place
             warnings.warn(f"llmaas: native kernels {name!r} unavailable, using the slower numpy/torch path "
                           f"({e}); set {ENV_SWITCH}=0 to skip the build", RuntimeWarning, stacklevel=2)

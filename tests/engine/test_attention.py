@@ -50,3 +50,51 @@ def test_blockwise_attention_matches_full_matrix(engine, pos):
     assert torch.allclose(out.double(), ref_out, atol=1e-5)
     assert torch.allclose(density[:s_all].double(), ref_col, rtol=1e-5, atol=1e-6)
     assert not density[s_all:].any()
+
+
+@pytest.mark.parametrize(
+    "pos",
+    [
+        torch.arange(0, 300),  # prefill from the start: many items, every row-tile boundary inside a head group
+        torch.arange(120, 300),  # prefill after cached tokens
+        torch.cat((torch.arange(16, 48), torch.arange(64, 96), torch.arange(200, 216))),  # scattered chunks
+        torch.arange(0, 37),  # rows not a multiple of the 16-row block, keys not of the 16-key tile
+    ],
+    ids=["prefill", "after-cache", "scattered", "ragged"],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_attention_matches_full_matrix(engine, pos, threads):
+    """engine/attention.c against the naive reference: output and density column sums, on one thread
+    and on two (each thread keeps its own column sums)."""
+    from engine.model import attention_kernel
+
+    model = engine.model
+    cfg = model.cfg
+    assert attention_kernel() is not None, "engine/attention.c did not build here (see the RuntimeWarning)"
+    gen = torch.Generator().manual_seed(1)
+    cache = model.new_cache(320)
+    cache.reserve(300)
+    cache.k[2, :, :300] = torch.randn(cfg.n_kv_heads, 300, cfg.head_dim, generator=gen) * 3
+    cache.v[2, :, :300] = torch.randn(cfg.n_kv_heads, 300, cfg.head_dim, generator=gen)
+    qk = torch.randn(len(pos), cfg.n_heads + cfg.n_kv_heads, cfg.head_dim, generator=gen) * 3
+    q = qk[:, : cfg.n_heads]  # a view with the K heads beside it, as the layer passes it
+    s_all = int(pos[-1]) + 1
+    ref_out, ref_col = naive_attend(q, pos, cache.k[2, :, :s_all], cache.v[2, :, :s_all], model.scale)
+    density = torch.full((320,), 0.5)  # the kernel adds into what is there
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = model._attend_native(2, q, pos, cache, density)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.allclose(out.double(), ref_out, atol=1e-5)
+    assert torch.allclose(density[:s_all].double() - 0.5, ref_col, rtol=1e-5, atol=1e-5)
+    assert (density[s_all:] == 0.5).all()
+
+
+def test_prefill_takes_the_native_kernel(engine):
+    """Prompts of 16 rows or more go to the kernel on the CPU; decode rows stay in torch."""
+    model = engine.model
+    assert model._native_rows(64, torch.arange(64))
+    assert not model._native_rows(1, torch.arange(500, 501))
+    assert not model._native_rows(20, torch.arange(980, 1000))  # few rows against many keys

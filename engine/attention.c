@@ -1,0 +1,275 @@
+/* Causal grouped-query attention with the column sums of its probabilities (LLMS Eq. 1's information
+ * density) in one pass per row block: the prefill kernel of engine/model.py, compiled at first use by
+ * storage/native.py. float32 only.
+ *
+ * Work is split into items (KV head h, block of b query rows). For an item the block's M = b * G query
+ * rows (G query heads share a KV head) are scaled and gathered; the scores S = Q K^T of the keys the
+ * block can see are computed tile by tile (6 x 16 register tiles against K transposed once per call),
+ * each row's softmax is taken in place (keys after the row's position excluded), the normalised
+ * probabilities are summed per key into the thread's column sums, and O = P V is computed from the
+ * same tile of probabilities while it is in cache (L2 for 48 rows x 2048 keys). Nothing of size
+ * n x S is ever held. Threads take items from a shared counter; each keeps its own column sums,
+ * added up at the end, so the density is independent of the thread count up to rounding.
+ *
+ * Vector code uses GCC/Clang vector extensions (8 x float32), which compile to AVX2+FMA with
+ * -march=native on x86 and to pairs of NEON registers on arm64.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4))); /* unaligned access */
+
+#define MR 6  /* rows of a register tile */
+#define NR 16 /* columns of a register tile: two vectors */
+#define KB 256 /* keys per block of O = P V */
+
+static inline v8f load8(const float *p) { return *(const v8fu *)p; }
+static inline void store8(float *p, v8f v) { *(v8fu *)p = v; }
+static inline v8f splat(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+static inline v8f vmax(v8f a, v8f b) {
+    v8i m = a > b;
+    return (v8f)(((v8i)a & m) | ((v8i)b & ~m));
+}
+static inline float hmax(v8f v) {
+    float m = v[0];
+    for (int i = 1; i < 8; i++) m = m > v[i] ? m : v[i];
+    return m;
+}
+static inline float hsum(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* exp(x) for x <= 0 (scores minus their row maximum), Cephes' expf polynomial: relative error
+ * ~1e-7; inputs below -87 give ~1e-38 instead of subnormals. */
+static inline v8f vexp(v8f x) {
+    x = vmax(x, splat(-87.0f));
+    const v8f magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v8f t = x * splat(1.44269504088896341f) + magic;
+    v8f n = t - magic;
+    v8f r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    v8f p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * (r * r) + r + splat(1.0f);
+    v8i e = ((v8i)t - (v8i)magic + 127) << 23; /* 2^n from the integer in t's low mantissa bits */
+    return p * (v8f)e;
+}
+
+/* C[m, 0:16] (+)= A[m, 0:k] B[0:k, 0:16] for m < MR rows; A rows `lda` apart, B rows `ldb` apart.
+ * Inlined twice by `tile`: with rows == MR known at compile time the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_body(int rows, i64 k, const float *a, i64 lda,
+                                                            const float *b, i64 ldb, float *c, i64 ldc,
+                                                            int accumulate) {
+    v8f acc[MR][2];
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = splat(0.0f);
+    for (i64 p = 0; p < k; p++) {
+        v8f b0 = load8(b + p * ldb), b1 = load8(b + p * ldb + 8);
+        for (int r = 0; r < rows; r++) {
+            v8f x = splat(a[r * lda + p]);
+            acc[r][0] += x * b0;
+            acc[r][1] += x * b1;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        if (accumulate) {
+            acc[r][0] += load8(c + r * ldc);
+            acc[r][1] += load8(c + r * ldc + 8);
+        }
+        store8(c + r * ldc, acc[r][0]);
+        store8(c + r * ldc + 8, acc[r][1]);
+    }
+}
+
+static void tile(int rows, i64 k, const float *a, i64 lda, const float *b, i64 ldb, float *c, i64 ldc,
+                 int accumulate) {
+    if (rows == MR)
+        tile_body(MR, k, a, lda, b, ldb, c, ldc, accumulate);
+    else
+        tile_body(rows, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+typedef struct {
+    const float *q;     /* [n, Hq * D] query rows (row stride q_stride) */
+    i64 q_stride;
+    const i64 *pos;     /* [n] ascending positions; row i sees keys 0..pos[i] */
+    i64 n;
+    const float *kt;    /* [Hkv, D, S_pad] keys transposed (this call's copy) */
+    const float *v;     /* [Hkv, *, D] values: row j of head h at v + h * v_head + j * D */
+    i64 v_head;
+    i64 s_pad;          /* columns of kt per row: S rounded up to NR */
+    i64 hkv, group, d, block;
+    float scale;
+    float *out;         /* [n, Hq * D] */
+    i64 out_stride;
+    float *colsum;      /* [n_threads, s_pad] per-thread column sums, or NULL */
+    atomic_long next;   /* next item to take */
+    i64 items;
+} job_t;
+
+typedef struct {
+    job_t *job;
+    int id;
+    float *scratch; /* qb [M, D] + acc [M, D] + scores [M, s_pad] + inv [M] */
+} worker_t;
+
+static void run_item(job_t *jb, float *scratch, float *colsum, i64 item) {
+    const i64 d = jb->d, g = jb->group, sp = jb->s_pad;
+    const i64 blocks = (jb->n + jb->block - 1) / jb->block;
+    const i64 h = item % jb->hkv;
+    const i64 r0 = (blocks - 1 - item / jb->hkv) * jb->block; /* the dearest blocks (last rows) first */
+    const i64 b = jb->n - r0 < jb->block ? jb->n - r0 : jb->block;
+    const i64 m = b * g;
+    float *qb = scratch, *acc = qb + m * d, *s = acc + m * d, *inv = s + m * sp;
+    /* gather the block's rows of the group's heads, scaled: row (i, j) = query row r0 + i, head h*g + j */
+    for (i64 i = 0; i < b; i++)
+        for (i64 j = 0; j < g; j++) {
+            const float *src = jb->q + (r0 + i) * jb->q_stride + (h * g + j) * d;
+            float *dst = qb + (i * g + j) * d;
+            for (i64 c = 0; c < d; c++) dst[c] = src[c] * jb->scale;
+        }
+    const i64 *pos = jb->pos + r0;
+    const i64 last = pos[b - 1] + 1;            /* keys any row of the block sees */
+    const i64 cols = (last + NR - 1) / NR * NR; /* rounded to whole tiles */
+    const float *kt = jb->kt + h * d * sp;
+    /* scores, tile by tile: a [D, 16] panel of keys (4 KB) serves every row tile from L1; a row tile
+     * skips the columns past its last row's position */
+    for (i64 c = 0; c < cols; c += NR)
+        for (i64 r = 0; r < m; r += MR) {
+            int rows = m - r < MR ? (int)(m - r) : MR;
+            if (c <= pos[(r + rows - 1) / g])
+                tile(rows, d, qb + r * d, d, kt + c, sp, s + r * sp + c, sp, 0);
+        }
+    /* softmax per row in place (unnormalised exp), zeros up to the tile edge; column sums */
+    for (i64 r = 0; r < m; r++) {
+        float *row = s + r * sp;
+        const i64 len = pos[r / g] + 1;
+        const i64 vec = len / 8 * 8;
+        v8f mx = splat(-INFINITY);
+        for (i64 j = 0; j < vec; j += 8) mx = vmax(mx, load8(row + j));
+        float mxs = hmax(mx);
+        for (i64 j = vec; j < len; j++) mxs = mxs > row[j] ? mxs : row[j];
+        v8f sum = splat(0.0f), msp = splat(mxs);
+        for (i64 j = 0; j < vec; j += 8) {
+            v8f e = vexp(load8(row + j) - msp);
+            store8(row + j, e);
+            sum += e;
+        }
+        float sums = hsum(sum);
+        if (vec < len) {
+            float tmp[8] = {0};
+            for (i64 j = vec; j < len; j++) tmp[j - vec] = row[j] - mxs;
+            v8f e = vexp(load8(tmp));
+            for (i64 j = vec; j < len; j++) {
+                row[j] = e[j - vec];
+                sums += e[j - vec];
+            }
+        }
+        for (i64 j = len; j < cols; j++) row[j] = 0.0f;
+        inv[r] = 1.0f / sums;
+        if (colsum != NULL) {
+            v8f iv = splat(inv[r]);
+            for (i64 j = 0; j < vec; j += 8) store8(colsum + j, load8(colsum + j) + load8(row + j) * iv);
+            for (i64 j = vec; j < len; j++) colsum[j] += row[j] * inv[r];
+        }
+    }
+    /* O = P V over blocks of KB keys: a [KB, 16] panel of values (16 KB) serves every row tile from L1,
+     * the block's probabilities stay in L2; each row is scaled by its 1/sum at the end */
+    const float *vh = jb->v + h * jb->v_head;
+    for (i64 kb = 0; kb < last; kb += KB)
+        for (i64 c = 0; c < d; c += NR)
+            for (i64 r = 0; r < m; r += MR) {
+                int rows = m - r < MR ? (int)(m - r) : MR;
+                i64 len = pos[(r + rows - 1) / g] + 1 - kb;
+                if (len <= 0) continue;
+                if (len > KB) len = KB;
+                tile(rows, len, s + r * sp + kb, sp, vh + kb * d + c, d, acc + r * d + c, d, kb > 0);
+            }
+    for (i64 row = 0; row < m; row++) {
+        const i64 qi = r0 + row / g, head = h * g + row % g;
+        float *dst = jb->out + qi * jb->out_stride + head * d;
+        v8f iv = splat(inv[row]);
+        for (i64 c = 0; c < d; c += 8) store8(dst + c, load8(acc + row * d + c) * iv);
+    }
+}
+
+static void *worker_main(void *arg) {
+    worker_t *w = arg;
+    job_t *jb = w->job;
+    float *colsum = jb->colsum ? jb->colsum + w->id * jb->s_pad : NULL;
+    for (;;) {
+        i64 item = atomic_fetch_add(&jb->next, 1);
+        if (item >= jb->items) break;
+        run_item(jb, w->scratch, colsum, item);
+    }
+    return NULL;
+}
+
+/* Attention of n query rows at ascending positions `pos` against keys and values 0..pos[n-1].
+ *   q [n, Hq*D] (row stride q_stride), k/v: head h, key j at k + h*k_head + j*D (same for v),
+ *   out [n, Hq*D] (row stride out_stride), density [>= pos[n-1]+1]: += column sums of the
+ *   probabilities over all rows and heads (NULL: not computed).
+ * Needs D % 16 == 0. Returns 0, or -1 when memory for the scratch cannot be had. */
+int attn_forward(const float *q, i64 q_stride, const i64 *pos, i64 n, const float *k, i64 k_head,
+                 const float *v, i64 v_head, i64 hkv, i64 group, i64 d, float scale, float *out,
+                 i64 out_stride, float *density, int threads) {
+    if (n <= 0) return 0;
+    const i64 s = pos[n - 1] + 1, sp = (s + NR - 1) / NR * NR;
+    i64 block = 48 / group > 0 ? 48 / group : 1; /* M = block * group: ~48 rows, 8 register tiles */
+    const i64 m = block * group;
+    const i64 items = (n + block - 1) / block * hkv;
+    if (threads < 1) threads = 1;
+    if (threads > items) threads = (int)items;
+    if (threads > 16) threads = 16;
+    float *kt = aligned_alloc(64, (size_t)(hkv * d * sp) * sizeof(float) + 64);
+    float *colsum = density ? calloc((size_t)(threads * sp), sizeof(float)) : NULL;
+    const size_t per = (size_t)(2 * m * d + m * sp + m) + 16;
+    float *scratch = malloc(per * sizeof(float) * (size_t)threads);
+    if (kt == NULL || scratch == NULL || (density && colsum == NULL)) {
+        free(kt);
+        free(colsum);
+        free(scratch);
+        return -1;
+    }
+    for (i64 h = 0; h < hkv; h++) /* keys transposed: [D, S_pad], padding columns zero */
+        for (i64 c = 0; c < d; c++) {
+            float *dst = kt + (h * d + c) * sp;
+            const float *src = k + h * k_head + c;
+            for (i64 j = 0; j < s; j++) dst[j] = src[j * d];
+            for (i64 j = s; j < sp; j++) dst[j] = 0.0f;
+        }
+    job_t jb = {q, q_stride, pos, n, kt, v, v_head, sp, hkv, group, d, block, scale, out, out_stride,
+                colsum, 0, items};
+    atomic_init(&jb.next, 0);
+    worker_t ws[16];
+    pthread_t tids[16];
+    int started = 0;
+    for (int t = 0; t < threads; t++) {
+        ws[t] = (worker_t){&jb, t, scratch + per * (size_t)t};
+    }
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[t], NULL, worker_main, &ws[t]) == 0) started |= 1 << t;
+    }
+    worker_main(&ws[0]); /* this thread works too; items left by a thread that failed to start are taken here */
+    for (int t = 1; t < threads; t++)
+        if (started & (1 << t)) pthread_join(tids[t], NULL);
+    if (density) {
+        for (int t = 0; t < threads; t++) {
+            const float *cs = colsum + (size_t)t * sp;
+            for (i64 j = 0; j < s; j++) density[j] += cs[j];
+        }
+    }
+    free(kt);
+    free(colsum);
+    free(scratch);
+    return 0;
+}
