@@ -1,7 +1,7 @@
 """Storage speed: KV codec encode/decode per level, and chunk-file bandwidth against the raw disk.
 
     python -m bench.storage_speed [--tokens 2048] [--reps 5] [--threads 2] [--stat median|best]
-                                  [--dir PATH] [--synthetic]
+                                  [--dir PATH] [--synthetic] [--no-heap-retain] [--no-native]
 
 For a context of ``--tokens`` tokens (16-token chunks of the default model's shape [30, 2, 3, 16, 64]):
 
@@ -19,7 +19,8 @@ K/V data: real K/V of the default model when ``engine`` and the model are availa
 over English text from the standard library's docstrings), else synthetic data with a printed note.
 Timings are the median (or best) of ``--reps`` passes. torch is imported when installed and limited
 to one thread, as in the service's model processes: the codecs cast float32 <-> float16 in torch
-when a process has it (numpy otherwise). This is a benchmark entry point: it knows nothing the
+when a process has it (numpy otherwise). The quantized levels run in the compiled kernels of
+storage/kvquant.c when they build (``--no-native``: their numpy/torch paths). This is a benchmark entry point: it knows nothing the
 storage package does not export.
 """
 
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--synthetic", action="store_true", help="use synthetic K/V even if the model is here")
     p.add_argument("--no-heap-retain", action="store_true", help="leave glibc's malloc as it is (the service's "
                    "actor processes keep freed memory for reuse, storage.heap; this is what they do without it)")
+    p.add_argument("--no-native", action="store_true", help="run the quantized codecs on their numpy/torch "
+                   "paths instead of the compiled kernels of storage/kvquant.c (as on a machine without a C compiler)")
     args = p.parse_args(argv)
     if args.tokens % 16:
         p.error("--tokens must be a multiple of 16")
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
 
         on = retain_freed_memory()
         print(f"heap: {'freed memory kept for reuse, as in the service actors (storage.heap)' if on else 'defaults (mallopt unavailable)'}")
+    C.USE_NATIVE = not args.no_native
+    print(f"quantized codecs: {'compiled kernels (storage/kvquant.c)' if C._kvq() else 'numpy/torch'}")
     kv = None if args.synthetic else real_kv(args.tokens)
     if kv is None:
         kv = synthetic_kv(args.tokens)
