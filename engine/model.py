@@ -15,8 +15,10 @@ loaded. The engine knows nothing about tokenization, chat templates, files or Ra
 
 Attention of 16 or more rows on the CPU in float32 runs in the compiled kernel of `engine/attention.c`
 (built at first use by `storage.native`; one fused pass per block of rows: scores, softmax, density
-column sums, P V, with blocks sized for the caches), which is what takes the engine's prefill with
-density past transformers' fused SDPA prefill on this machine (docs/benchmarks.md, "Engine speed").
+column sums, P V, with blocks sized for the caches): per layer it is a little faster than torch's
+fused SDPA without density, and it brings the engine's prefill with density level with transformers'
+SDPA prefill on the 2-core test machines, where the torch kernel trails it (docs/benchmarks.md,
+"Engine speed").
 Elsewhere (decode rows, CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
 kernel `_attend` runs; both are tested against a naive full-matrix reference.
 """
