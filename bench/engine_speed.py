@@ -73,10 +73,12 @@ def main(argv=None) -> int:
 
     def eng_prefill(ids, mode, native=True):
         eng.engine_cfg.native_attention = native
-        cache = eng.new_cache(len(ids))
-        dens = torch.zeros(len(ids)) if mode == "density" else None
-        eng.forward(cache, ids, density=dens, sdpa=(mode == "sdpa"))
-        eng.engine_cfg.native_attention = True
+        try:
+            cache = eng.new_cache(len(ids))
+            dens = torch.zeros(len(ids)) if mode == "density" else None
+            eng.forward(cache, ids, density=dens, sdpa=(mode == "sdpa"))
+        finally:
+            eng.engine_cfg.native_attention = True
 
     def hf_prefill(ids):
         hf(torch.tensor([ids]), use_cache=True, logits_to_keep=1)

@@ -240,6 +240,16 @@ def _f32_strides(a: np.ndarray) -> tuple[int, ...] | None:
     return tuple(st // 4 for st in a.strides[:4])
 
 
+def _inv_bias(z: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """1/s and 1/2 - z/s as the quantizer uses them (x*inv + bias, each float32 op rounded): one
+    definition for the numpy path and the kernels' two-pass path, so their bytes cannot drift apart
+    (kvq_encode_f16 in storage/kvquant.c repeats the same three operations in C)."""
+    inv = np.divide(_F32(1.0), s)
+    bias = np.multiply(z, inv)
+    np.subtract(_F32(0.5), bias, out=bias)
+    return inv, bias
+
+
 def _wrappable(a: np.ndarray) -> bool:
     """torch.from_numpy takes it: writable, aligned, non-negative whole-element strides."""
     return (a.flags.writeable and a.flags.aligned
@@ -457,9 +467,7 @@ class _Quant(_Codec):
             mn, mx = np.empty(nl * c, _F32), np.empty(nl * c, _F32)
             if not lib.kvq_minmax(kv.ctypes.data, nl, h, t, d, *st, mn.ctypes.data, mx.ctypes.data):
                 buf, z, s, params = self.params(mn, mx, nl, self._packed(n))
-                inv = np.divide(_F32(1.0), s)
-                bias = np.multiply(z, inv)
-                np.subtract(_F32(0.5), bias, out=bias)
+                inv, bias = _inv_bias(z, s)
                 lib.kvq_quantize(kv.ctypes.data, nl, h, t, d, *st, inv.ctypes.data, bias.ctypes.data,
                                  self.bits, buf.ctypes.data, buf.shape[1], 2 * c * PARAM_DTYPES[params].itemsize)
                 return buf, params
@@ -479,9 +487,7 @@ class _Quant(_Codec):
         buf, z, s, params = self.params(mn, mx, nl, self._packed(n))
         p_nbytes = 2 * c * PARAM_DTYPES[params].itemsize
 
-        inv = np.divide(_F32(1.0), s)
-        bias = np.multiply(z, inv)
-        np.subtract(_F32(0.5), bias, out=bias)
+        inv, bias = _inv_bias(z, s)
         x *= inv
         x += bias  # x = (x - z)/s + 1/2, in [0, qmax + 1); the cast to uint8 truncates, i.e. floors
         # (adding straight into a uint8 output is slower: numpy buffers mixed-dtype loops)
