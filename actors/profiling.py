@@ -23,8 +23,9 @@ from storage.chunkfile import ChunkStore, ChunkStoreConfig
 
 #: part of a cached profile's identity: bump it when a change makes the measured paths (recompute,
 #: chunk reads, de-quantizing) materially faster or slower, so cached profiles are measured again
-#: (2: de-quantizing in torch, 1.7-1.9x faster; 3: the compiled kernels of storage/kvquant.c, ~2x again)
-PROFILE_VERSION = 3
+#: (2: de-quantizing in torch, 1.7-1.9x faster; 3: the compiled kernels of storage/kvquant.c, ~2x again;
+#: 4: chunk records in one pack per write-back, read in large runs)
+PROFILE_VERSION = 4
 PROFILE_TOKENS = 1024
 RECOMPUTE_POINTS = (1, 2, 4, 8)
 IO_LEVELS = ("q2", "q4", "q8", "fp16", "raw")
@@ -67,12 +68,11 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
         for level in IO_LEVELS:
             key = f"{abs(hash(level)) & 0xFFFFFFFF:08x}"
             encs = [codecs.encode(cache.export_chunk(i), level, dtype=dtype) for i in range(min(n, 32))]
-            sizes = [store.write(key, i, e, i * c).nbytes for i, e in enumerate(encs)]
+            sizes = [m.nbytes for m in store.write_many(key, [(i, e, i * c) for i, e in enumerate(encs)])]
             for k in (8, len(encs)):  # two counts per level: chunks and bytes vary independently
                 t = time.perf_counter()
-                store.prefetch(key, range(k))
-                for i in range(k):
-                    store.read(key, i)
+                for _ in store.read_each(key, range(k)):
+                    pass
                 io.append((sum(sizes[:k]), time.perf_counter() - t))
                 times = []
                 for _ in range(3):

@@ -1,4 +1,4 @@
-"""The KV swap/IO worker: reads and writes chunk files (DESIGN.md §4 step 3, §9).
+"""The KV swap/IO worker: reads and writes chunk records (pack files) (DESIGN.md §4 step 3, §9).
 
 A plain class around `storage.ChunkStore`; `actors.service` makes it a Ray actor that requests no CPU.
 Reads for a restore come out per layer group (`read_groups`, a generator: under Ray a streaming
@@ -59,30 +59,28 @@ class KVSwapIO:
         """Called after each write (`out`) and read (`in`) with the bytes and seconds (metrics)."""
 
     def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
-        """Write chunks (index, handle, first token) crash-safely; returns name/nbytes/checksum each."""
-        out = []
+        """Write chunks (index, handle, first token) crash-safely, one pack per run of consecutive
+        indices (`ChunkStore.write_many`); returns name/nbytes/checksum each, in order."""
         t0 = time.monotonic()
-        for i, handle, token_start in todo:
-            meta = self.store.write(ctx, i, self.resolve(handle), token_start)
-            self.bytes_written += meta.nbytes
-            out.append({"name": meta.name, "nbytes": meta.nbytes, "checksum": meta.checksum})
-        self.observe("out", sum(o["nbytes"] for o in out), time.monotonic() - t0)
+        metas = self.store.write_many(ctx, [(i, self.resolve(h), t) for i, h, t in todo])
+        out = [{"name": m.name, "nbytes": m.nbytes, "checksum": m.checksum} for m in metas]
+        nbytes = sum(o["nbytes"] for o in out)
+        self.bytes_written += nbytes
+        self.observe("out", nbytes, time.monotonic() - t0)
         return out
 
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, EncodedChunk], dict[int, str]]:
-        """Read whole chunks; returns (chunks read, {index: error code} for unreadable files)."""
+        """Read whole chunks; returns (chunks read, {index: error code} for unreadable ones)."""
         got, failed = {}, {}
         t0 = time.monotonic()
-        self.store.prefetch(ctx, indices)
-        for i in indices:
-            try:
-                enc = self.store.read(ctx, i)
-            except StorageError as e:
-                failed[i] = e.code
-                continue
-            got[i] = enc
-            self.bytes_read += enc.nbytes
-        self.observe("in", sum(e.nbytes for e in got.values()), time.monotonic() - t0)
+        for i, enc in self.store.read_each(ctx, indices):
+            if isinstance(enc, StorageError):
+                failed[i] = enc.code
+            else:
+                got[i] = enc
+        nbytes = sum(e.nbytes for e in got.values())
+        self.bytes_read += nbytes
+        self.observe("in", nbytes, time.monotonic() - t0)
         return got, failed
 
     def read_groups(self, ctx: str, indices: list[int], groups: list[range]) -> Iterator[LayerGroup]:
@@ -92,13 +90,11 @@ class KVSwapIO:
         for g, layers in enumerate(groups):
             t0 = time.monotonic()
             chunks = {}
-            for i in indices:
-                if i in failed:
-                    continue
-                try:
-                    chunks[i] = self.store.read_layers(ctx, i, layers)
-                except StorageError as e:
-                    failed[i] = e.code
+            for i, enc in self.store.read_layers_each(ctx, [i for i in indices if i not in failed], layers):
+                if isinstance(enc, StorageError):
+                    failed[i] = enc.code
+                else:
+                    chunks[i] = enc
             nbytes = sum(c.nbytes for c in chunks.values())
             self.bytes_read += nbytes
             self.observe("in", nbytes, time.monotonic() - t0)

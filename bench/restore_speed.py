@@ -102,8 +102,8 @@ class Length:
 
         plan = self.plan(level, mode)
         if mode == "disk cold":
-            for i in range(len(self.encs[level])):
-                drop_cache(self.io.store.path(self.keys[level], i))
+            for path in self.io.store.files(self.keys[level]):
+                drop_cache(path)
         ws = self.ws
         t = time.perf_counter()
         ws.truncate(0)

@@ -1,8 +1,10 @@
-"""Storage of KV chunks and contexts: codecs, chunk files, the SQLite registry.
+"""Storage of KV chunks and contexts: codecs, chunk packs, the SQLite registry.
 
 - :mod:`storage.codecs`: per-level encode/decode of a chunk's KV (raw, fp16, bf16, q8, q4, q2)
-- :mod:`storage.chunkfile`: ``ChunkStore``, crash-safe checksummed chunk files under one root
-- :mod:`storage.chunkformat`: the chunk file format (prefix, msgpack header, per-layer records)
+- :mod:`storage.chunkfile`: ``ChunkStore``, crash-safe checksummed chunk records in per-context
+  pack files (one per write-back) under one root
+- :mod:`storage.chunkformat`: the format of one chunk record (prefix, msgpack header, per-layer
+  records); a pack is such records back to back
 - :mod:`storage.registry`: ``Registry``, apps, contexts (token ids) and chunk states in SQLite
 - :mod:`storage.errors`: the storage exceptions, each with a stable ``code``
 - :mod:`storage.fileops`, :mod:`storage.throttle`: injectable file operations, a token bucket

@@ -1,4 +1,8 @@
-"""The on-disk format of one chunk file: a fixed prefix, a msgpack header, per-layer records.
+"""The on-disk format of one chunk record: a fixed prefix, a msgpack header, per-layer records.
+
+A pack file (:mod:`storage.chunkfile`) holds such records back to back, each at a multiple of 64
+bytes; offsets below are from the record's start. A pack of one chunk is what format 2 stored as
+one file per chunk, byte for byte.
 
 Layout (format version 2, little-endian)::
 

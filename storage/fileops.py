@@ -77,10 +77,11 @@ class FileOps:
             got += n
         return got
 
-    def fadvise_willneed(self, fd: int) -> None:
-        """Start reading the whole file into the page cache in the background (a hint)."""
+    def fadvise_willneed(self, fd: int, offset: int = 0, length: int = 0) -> None:
+        """Start reading ``length`` bytes at ``offset`` (0: to the end) into the page cache in the
+        background (a hint)."""
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)

@@ -55,12 +55,13 @@ def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster,
     assert all(o["switch_ms"] > 0 for o in outs)
     svc.shutdown()
 
-    # a full Ray restart (nothing of the old cluster survives: actors, object store, GCS), and one
-    # chunk file of the first context lost meanwhile: the fault primitive recomputes it from token ids
+    # a full Ray restart (nothing of the old cluster survives: actors, object store, GCS), and the
+    # oldest pack of the first context lost meanwhile: the fault primitive recomputes its chunks
+    # from their token ids
     restart_ray()
-    files = sorted((tmp_path / "chunks" / ctxs[0]).glob("*.kvc"))
+    files = sorted((tmp_path / "chunks" / ctxs[0]).glob("*.kvp"))
     assert files
-    files[1].unlink()
+    files[0].unlink()
     svc = start(tmp_path, "vllm-s", "t-lossless2", pool_bytes=3 << 20)
     outs = [svc.call(tok, c, LAST, max_tokens=8) for c in ctxs]
     assert [o["token_ids"] for o in outs] == reference[2]
@@ -82,7 +83,7 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
     mixed, shared = [], []
     for k, c in enumerate(ctxs):
         ray.get(svc.executor.flush.remote())  # the last write-back done: nothing rewrites the files corrupted here
-        for f in (tmp_path / "chunks" / c).glob("*.kvc"):  # flip one payload byte: its checksum fails
+        for f in (tmp_path / "chunks" / c).glob("*.kvp"):  # a payload byte of each pack's last chunk
             b = bytearray(f.read_bytes())
             b[-100] ^= 0xFF
             f.write_bytes(bytes(b))

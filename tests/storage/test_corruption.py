@@ -29,15 +29,29 @@ def store(tmp_path):
     return ChunkStore(tmp_path, fingerprint=FP)
 
 
+def pack_path(store: ChunkStore, index: int = 0, gen: int = 1) -> str:
+    """Where a pack of generation ``gen`` deciding chunk ``index`` alone lives."""
+    return os.path.join(store.root, KEY, f"{gen:012d}.{index:08d}-{index:08d}.kvp")
+
+
 def put(store: ChunkStore, data: bytes, index: int = 0) -> None:
-    os.makedirs(os.path.dirname(store.path(KEY, index)), exist_ok=True)
-    with open(store.path(KEY, index), "wb") as f:
+    """Make ``data`` the context's only file: a one-chunk pack for chunk ``index``."""
+    d = os.path.join(store.root, KEY)
+    os.makedirs(d, exist_ok=True)
+    for name in os.listdir(d):
+        os.unlink(os.path.join(d, name))
+    with open(pack_path(store, index), "wb") as f:
         f.write(data)
+
+
+def fresh(store: ChunkStore) -> ChunkStore:
+    """A store opened on the same root, as after a restart (it scans the files as they are now)."""
+    return ChunkStore(store.root, store.config, fingerprint=FP)
 
 
 def assert_rejected(store: ChunkStore, index: int = 0) -> CorruptChunkError:
     try:  # not pytest.raises: this runs thousands of times and must stay cheap
-        store.read(KEY, index)
+        fresh(store).read(KEY, index)
     except CorruptChunkError as e:
         assert e.code in ("chunk_corrupt", "chunk_version")
         return e
@@ -45,7 +59,7 @@ def assert_rejected(store: ChunkStore, index: int = 0) -> CorruptChunkError:
 
 
 def written(store, level, seed):
-    """Write one chunk of synthetic K/V; its file's bytes, header and payload offset."""
+    """Write one chunk of synthetic K/V; its pack's bytes, header and payload offset."""
     meta = store.write(KEY, 0, C.encode(synthetic_kv(SMALL, seed=seed), level), 0)
     good = open(store.path(KEY, 0), "rb").read()
     return good, meta.header, len(good) - meta.header.payload_nbytes
@@ -70,7 +84,8 @@ def test_single_byte_flips_are_detected(store, level):
         assert_rejected(store)
     assert len(positions) > 500
     put(store, good)
-    np.testing.assert_array_equal(store.read(KEY, 0).payload, C.encode(synthetic_kv(SMALL, seed=3), level).payload)
+    np.testing.assert_array_equal(fresh(store).read(KEY, 0).payload,
+                                  C.encode(synthetic_kv(SMALL, seed=3), level).payload)
 
 
 @pytest.mark.parametrize("level", ["raw", "q4"])
@@ -84,9 +99,10 @@ def test_flips_are_detected_by_partial_reads_of_that_layer(store, level):
         bad[pos] ^= int(rng.integers(1, 256))
         put(store, bytes(bad))
         layer = 1 if pos < base + h.offsets[2] else 2
+        reopened = fresh(store)
         with pytest.raises(CorruptChunkError, match=f"layer {layer}: checksum"):
-            store.read_layers(KEY, 0, range(layer, layer + 1))
-        assert store.read_layers(KEY, 0, range(0, 1)).payload.shape[0] == 1
+            reopened.read_layers(KEY, 0, range(layer, layer + 1))
+        assert reopened.read_layers(KEY, 0, range(0, 1)).payload.shape[0] == 1
 
 
 def test_truncation_zero_length_wrong_magic_and_version(store):
@@ -124,10 +140,10 @@ def test_a_torn_write_mixing_two_versions_is_detected(store):
     assert_rejected(store)
 
 
-def test_swapped_file_of_another_chunk_is_detected(store):
+def test_pack_holding_a_chunk_outside_its_range_is_detected(store):
     store.write(KEY, 0, C.encode(synthetic_kv(SMALL), "raw"), 0)
-    os.replace(store.path(KEY, 0), store.path(KEY, 1))
-    assert "holds chunk 0" in str(assert_rejected(store, 1))
+    os.replace(store.path(KEY, 0), pack_path(store, 1))
+    assert "holds chunk 0, outside 1..1" in str(assert_rejected(store, 1))
 
 
 # -- hostile files: a writer who computes valid crcs for malicious content ----------------------------
@@ -219,7 +235,8 @@ def test_lz4_bomb_is_cut_off_at_the_record_size(store, full):
     block = lz4.block.compress(bytes(200_000), store_size=False)
     assert len(block) < RAW_REC
     put(store, hostile_block_file(store, block))
-    read = (lambda: store.read(KEY, 0)) if full else (lambda: store.read_layers(KEY, 0, range(1, 2)))
+    reopened = fresh(store)
+    read = (lambda: reopened.read(KEY, 0)) if full else (lambda: reopened.read_layers(KEY, 0, range(1, 2)))
     elapsed, peak = bounded(lambda: pytest.raises(CorruptChunkError, read))
     assert elapsed < 0.5 and peak < 2_000_000, (elapsed, peak)
 
@@ -262,7 +279,7 @@ def test_oversized_file_is_refused_unread(tmp_path):
 
     store = ChunkStore(tmp_path, ChunkStoreConfig(max_file_bytes=1 << 20), fingerprint=FP)
     put(store, b"")
-    with open(store.path(KEY, 0), "r+b") as f:
+    with open(pack_path(store), "r+b") as f:
         f.truncate(1 << 30)  # sparse: 1 GiB claimed, nothing allocated
     elapsed, peak = bounded(lambda: assert_rejected(store))
     assert elapsed < 0.5 and peak < 100_000
