@@ -65,7 +65,6 @@ import secrets
 import stat
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections import deque
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -91,6 +90,7 @@ _MAX_GEN = 10**12 - 1
 _ALIGN = fmt.PAYLOAD_ALIGN
 _RUN_GAP = 64 * 1024  # read_iter reads across gaps up to this size rather than issue another read
 _RUN_BYTES = 8 << 20  # and reads at most this much in one call
+_FIRST_RUN_BYTES = 1 << 20  # the first run of read_each is at most this long, the next ones double
 _PRIME_BYTES = 4096  # the first read of a pack in read_each is this small (see _fetch)
 
 
@@ -155,6 +155,7 @@ class _Ctx:
     dir: str
     packs: dict[str, _Pack] = field(default_factory=dict)
     live: dict[int, _Rec] = field(default_factory=dict)
+    damaged: list[_Pack] = field(default_factory=list)  # packs whose records could not be read
     next_gen: int = 0
 
 
@@ -325,6 +326,8 @@ class ChunkStore:
             except OSError as e:  # ELOOP (a symlink), EACCES, ...: unreadable
                 p.damage = PathConfinementError(f"cannot read pack {name}: {e.strerror}")
             c.packs[name] = p
+            if p.damage is not None:
+                c.damaged.append(p)
             c.next_gen = max(c.next_gen, gen + 1)
         for p in sorted(c.packs.values(), key=lambda p: p.gen):
             self._settle(c, p)
@@ -401,10 +404,10 @@ class ChunkStore:
         """The current record of chunk ``i``; raises the damage of a newer damaged pack covering it,
         or ChunkNotFoundError. Hold _lock."""
         rec = None if c is None else c.live.get(i)
-        if c is not None:
+        if c is not None and c.damaged:
             gen = -2 if rec is None else rec.pack.gen
-            for p in c.packs.values():
-                if p.damage is not None and p.covers(i) and p.gen >= gen:
+            for p in c.damaged:
+                if p.covers(i) and p.gen >= gen:
                     raise type(p.damage)(f"chunk {i} of {key}: pack {p.name} is damaged: {p.damage}")
         if rec is None:
             raise ChunkNotFoundError(f"no chunk {i} of context {key}")
@@ -635,8 +638,7 @@ class ChunkStore:
 
     def _readable(self, c: _Ctx, r: _Rec) -> bool:
         """Whether no damaged pack newer than ``r``'s covers it (a tainted chunk is not moved)."""
-        return not any(p.damage is not None and p.covers(r.index) and p.gen >= r.pack.gen
-                       for p in c.packs.values())
+        return not any(p.covers(r.index) and p.gen >= r.pack.gen for p in c.damaged)
 
     def _write_copy(self, c: _Ctx, lo: int, hi: int, recs: list[_Rec], data: dict[int, bytes]) -> None:
         """Write a pack deciding ``lo..hi`` that holds copies of ``recs``. Hold _write_lock."""
@@ -679,7 +681,7 @@ class ChunkStore:
         with self._lock:
             c = self._ctx(key)
             rec = self._lookup(c, index, key)
-            path = os.path.join(c.dir, rec.pack.name)
+            path = c.dir + os.sep + rec.pack.name
         if rec.header.fingerprint != self.fingerprint:
             raise FingerprintMismatchError(
                 f"chunk {index} of {key} was written for model {rec.header.fingerprint[:64]!r}, "
@@ -735,7 +737,7 @@ class ChunkStore:
         self._check_head(rec, memoryview(buf))
         h = rec.header
         blob = buf[rec.base:]
-        if zlib.crc32(blob) != h.payload_checksum:
+        if fmt.crc32(blob) != h.payload_checksum:
             raise CorruptChunkError(f"chunk {rec.index}: payload checksum mismatch")
         payload = fmt.records(blob, h, range(h.shape[0]), checked=True)
         return EncodedChunk(h.level, h.codec_version, h.dtype, h.shape, 0, h.params, payload)
@@ -803,6 +805,7 @@ class ChunkStore:
         """Cut the requested chunks, in order, into runs of records that lie close together in one
         pack: (pack path, [(index, record)], None) or (None, [(index, None)], the lookup's error)."""
         out: list[tuple[str | None, list, object]] = []
+        limit = _FIRST_RUN_BYTES  # runs grow: the first read is short, so checking starts early
         for i in indices:
             try:
                 rec, path = self._locate(key, i)
@@ -813,9 +816,10 @@ class ChunkStore:
                 last = out[-1][1][-1][1]
                 first = out[-1][1][0][1]
                 gap = rec.offset - (last.offset + last.nbytes)
-                if 0 <= gap <= _RUN_GAP and rec.offset + rec.nbytes - first.offset <= _RUN_BYTES:
+                if 0 <= gap <= _RUN_GAP and rec.offset + rec.nbytes - first.offset <= limit:
                     out[-1][1].append((i, rec))
                     continue
+                limit = min(2 * limit, _RUN_BYTES)
             out.append((path, [(i, rec)], None))
         return out
 

@@ -16,8 +16,9 @@ so processes that start at once each compile and the last rename wins, never a t
 build warns once per process and leaves the fallback in place. ctypes releases the GIL around every
 call, so callers may run kernels on several threads.
 
-The engine's attention kernel (engine/attention.c) is built the same way; this module is the one
-place that knows how to build and load C. No torch, no Ray: a store-only process stays light.
+The chunk-read checksum (storage/crc32.c, used by storage.chunkformat.crc32) and the engine's
+attention kernel (engine/attention.c) are built the same way; this module is the one place that
+knows how to build and load C. No torch, no Ray: a store-only process stays light.
 """
 
 from __future__ import annotations

@@ -139,3 +139,31 @@ def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     monkeypatch.setattr(native, "_loaded", {})
     assert not native.enabled() and native.load("kvquant") is None
+
+
+# -- crc32 (storage/crc32.c) --------------------------------------------------------------------------
+
+
+def test_crc32_is_zlibs_on_every_length_offset_and_start(monkeypatch):
+    """Every length 0-700 (the fold needs 128 bytes: both sides of it), unaligned starts, running
+    values, and large buffers: the same number as zlib.crc32, and the same with the kernel off."""
+    import zlib
+
+    from storage import chunkformat as fmt
+
+    if not native.enabled():
+        pytest.skip("native kernels switched off (LLMAAS_NATIVE=0)")
+    monkeypatch.setattr(fmt, "_NATIVE_CRC_MIN", 0)  # the kernel even for short inputs
+    fn = fmt._crc_fn()
+    if fn is None:
+        pytest.skip("no carry-less multiply on this CPU: zlib.crc32 is used")
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    for n in [*range(701), 4096, 65535, 1 << 19]:
+        for off in (0, 1, 13):
+            part = data[off:off + n]
+            for start in (0, 0xFFFFFFFF, 0x1234567):
+                assert fmt.crc32(part, start) == zlib.crc32(part.tobytes(), start), (n, off, start)
+    assert fmt.crc32(memoryview(data.tobytes())) == zlib.crc32(data)  # bytes-like inputs too
+    monkeypatch.setattr(fmt, "USE_NATIVE_CRC", False)
+    assert fmt.crc32(data) == zlib.crc32(data)
