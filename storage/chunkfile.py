@@ -6,27 +6,27 @@ each starting at a multiple of 64 bytes; a pack of one chunk is byte for byte a 
 Packs are immutable: written once under a temporary name, fsynced, renamed, folder fsynced.
 
 Why packs and not one file per chunk (format 2 until session 12): reading a context back costs a
-fixed amount per file (open, advise, read, close, header checks) that on the firecracker VMs measured
-here is worth 2-7 MB of sequential read (docs/benchmarks.md, "Chunk packs"). Plain reads of the 128
-files of a 2048-token context reached only 39-93% of the disk's sequential read on session 11's
-host, so the 70% target could not hold with one file per chunk. A write-back writes a call's
-modified chunks as one pack, so a prefill's 128 chunks come back with a few large reads.
+fixed amount per file (open, read, close, header checks), and on the firecracker VMs measured here
+plain reads of the 128 files of a 2048-token context reached only 39-93% of the disk's sequential
+read, so the 70% target could not hold with one file per chunk. A write-back writes a call's
+modified chunks as one pack, so a prefill's 128 chunks come back with a few large reads: 1.4-4.1x
+faster than one pack per chunk in the same runs (docs/benchmarks.md, "Chunk packs").
 
 Generations decide which record of a chunk is current. Each pack has a generation, one above the
 highest in its context folder, and the name's range ``lo..hi`` is its authority: for every chunk in
 it, the newest pack whose range covers the chunk decides, by holding its record or, if it holds
 none, by saying the chunk has no record (an empty ``.kvd`` file of the same naming is a deletion
-marker). A write of chunks
-that are not contiguous becomes one pack per contiguous run. So a rename is the one step that makes
-a new version current, for every chunk of the pack at once; there is no index file to keep in step.
+marker). A write of chunks that are not contiguous becomes one pack per contiguous run. So a rename
+is the one step that makes a new version current, for every chunk of the pack at once; there is no
+index file to keep in step.
 
 Packs that no longer decide anything are removed: after a write, a delete or on first use of a
 context, every pack with no current record whose removal changes no chunk's answer is unlinked (in
 rounds, the folder fsynced between them, so an older record never comes back after a crash).
 Superseded records inside a pack that still holds current ones take space until compaction: when a
-context has more than ``max_packs`` packs, or more superseded than current bytes (and at least
-``compact_min_bytes``), its current records are copied verbatim (their checksums do not change) into
-new packs and the old ones are removed. Compaction keeps the pack with the most current bytes unless
+context's current records are in more than ``max_packs`` packs, or it has more superseded than
+current bytes (and at least ``compact_min_bytes``), its current records are copied verbatim (their
+checksums do not change) into new packs and the old ones are removed. Compaction keeps the pack with the most current bytes unless
 that one is itself mostly superseded.
 
 Damage: a pack whose records cannot all be parsed (torn by something other than our writes, flipped
@@ -45,8 +45,8 @@ still checks the record's header bytes, the pack's size and the payload checksum
 
 Paths: a context key must match ``^[0-9a-f]{8,64}$`` and a chunk index is an int, so a client string
 never becomes a path; file names are built by the store from numbers; the root is resolved once
-(realpath); every context folder is checked with lstat to be a plain folder (a symlink is refused,
-never followed); files are opened with O_NOFOLLOW and created with O_EXCL.
+(realpath); a context folder is checked with lstat to be a plain folder when the store first uses
+it (a symlink is refused, never followed); files are opened with O_NOFOLLOW and created with O_EXCL.
 
 Capacity: ``usage_bytes()`` is the bytes of all pack files (including superseded records not yet
 compacted away) and temporaries being written; a write that would leave usage above
@@ -105,7 +105,7 @@ class ChunkStoreConfig:
     max_record_bytes: int = 64 * 1024 * 1024  # largest decompressed layer record accepted (bytes)
     max_file_bytes: int = 256 * 1024 * 1024  # larger pack files are refused unread (bytes)
     pack_bytes: int = 64 * 1024 * 1024  # a write or compaction starts a new pack past this (bytes)
-    max_packs: int = 64  # compact a context that has more packs than this
+    max_packs: int = 64  # compact a context whose current records are in more packs than this
     compact_min_bytes: int = 1 << 20  # and one whose superseded bytes exceed both this and its current ones
     lz4_level: int = 0  # lz4 level tried per layer record (0-2 fast, 3-16 high compression, -1 off);
     # a layer is kept compressed only when that saves an eighth of it (<1% of layers of real K/V)
@@ -482,12 +482,14 @@ class ChunkStore:
                 c = self._ctx(key, create=True)
             for run in _runs(sorted(by_index)):
                 built = [self._build(key, i, *by_index[i]) for i in run]
-                start = 0
-                for k in range(1, len(built) + 1):  # cut the run where a pack would pass pack_bytes
-                    size = sum(_aligned(len(b[0])) + len(b[1]) for b in built[start:k])
-                    if k == len(built) or size > self.config.pack_bytes:
+                start, size = 0, 0
+                for k, (head, parts, _, _) in enumerate(built):  # a new pack past pack_bytes
+                    n = _aligned(len(head) + sum(len(x) for x in parts))
+                    if k > start and size + n > self.config.pack_bytes:
                         metas.update(self._write_pack(c, run[start:k], built[start:k]))
-                        start = k
+                        start, size = k, 0
+                    size += n
+                metas.update(self._write_pack(c, run[start:], built[start:]))
             self._maybe_compact(c)
         return [metas[_check_index(i)] for i, _, _ in items]
 
@@ -586,7 +588,7 @@ class ChunkStore:
             live = {p.name: sum(p.records[i].nbytes for i in p.live) for p in packs}
             total_live = sum(live.values())
             dead = sum(p.nbytes for p in packs) - total_live
-            many = len(c.packs) > self.config.max_packs
+            many = len(packs) > self.config.max_packs  # packs a read may touch
             wasteful = dead > max(total_live, self.config.compact_min_bytes)
             if not (many or wasteful) or not packs:
                 return False
@@ -693,7 +695,7 @@ class ChunkStore:
         try:
             fd = self.fs.open(path, READ_FLAGS)
         except FileNotFoundError:
-            self._vanished(rec.pack)
+            self._vanished(rec)
             raise ChunkNotFoundError(f"pack {rec.pack.name} of chunk {rec.index} is gone") from None
         except OSError as e:  # ELOOP: the name is a symlink
             raise PathConfinementError(f"cannot open pack {rec.pack.name}: {e.strerror}") from e
@@ -707,10 +709,11 @@ class ChunkStore:
             raise
         return fd
 
-    def _vanished(self, p: _Pack) -> None:
-        """A pack file we hold as current was removed behind our back: forget it and its records."""
+    def _vanished(self, rec: _Rec) -> None:
+        """The pack of a current record was removed behind our back: forget it and its records."""
+        p = rec.pack
         with self._lock:
-            c = self._ctxs.get(p.records[next(iter(p.records))].header.context) if p.records else None
+            c = self._ctxs.get(rec.header.context)
             if c is None or c.packs.get(p.name) is not p:
                 return  # already replaced (compaction) or forgotten
             del c.packs[p.name]

@@ -83,6 +83,16 @@ def test_chunks_that_are_not_consecutive_get_a_pack_per_run(tmp_path):
         store.write_many(KEY, [(1, e[1], 16), (1, e[2], 16)])
 
 
+def test_a_large_write_back_is_cut_into_packs_of_pack_bytes(tmp_path):
+    e = encs(10)
+    one = ChunkStore(tmp_path / "probe", fingerprint=FP).write(KEY, 0, e[0], 0).nbytes
+    store = ChunkStore(tmp_path / "s", ChunkStoreConfig(pack_bytes=3 * one + 200), fingerprint=FP)
+    store.write_many(KEY, [(i, x, 16 * i) for i, x in enumerate(e)])
+    assert folder(store) == ["000000000000.00000000-00000002.kvp", "000000000001.00000003-00000005.kvp",
+                             "000000000002.00000006-00000008.kvp", "000000000003.00000009-00000009.kvp"]
+    assert all(same(g, x) for g, x in zip(reopen(store).read_many(KEY, range(10)), e))
+
+
 def test_newer_records_win_and_replaced_packs_go(tmp_path):
     store = ChunkStore(tmp_path, fingerprint=FP)
     old, new = encs(4), encs(4, "q4", seed=10)
