@@ -6,6 +6,7 @@ reports whether torch or ray came along), then reads commands from stdin, one pe
     chunk STEP SEED CTX  fork a child that writes chunk 0 of context CTX from
                       synthetic_kv(seed=SEED) and commits its registry row; the child prints ``AT STEP PID`` and blocks just
                       before STEP (or, for ``midwrite``, after writing half of the bytes)
+    pack STEP SEED CTX   the same for chunks 0-2 written as one pack (write_many) and their three rows
     txn SEED          fork a child that commits one registry transaction (app ``committed-SEED``)
                       then prints ``AT txn PID`` and blocks inside a second one
     quit
@@ -75,13 +76,19 @@ class PausingOps(FileOps):
         super().fsync_dir(path)
 
 
-def write_chunk(root: str, db: str, step: str, seed: int, key: str) -> None:
+def encoded(seed: int, n: int) -> list[tuple[int, C.EncodedChunk, int]]:
+    """Chunks 0..n-1 of one version (seeds seed, seed + 10, ...), as write_many takes them."""
+    return [(i, C.encode(synthetic_kv(SHAPE, seed=seed + 10 * i), LEVEL), 16 * i) for i in range(n)]
+
+
+def write_chunks(root: str, db: str, step: str, seed: int, key: str, n: int) -> None:
     store = ChunkStore(root, fingerprint=FP, fs=PausingOps(step, key))
     reg = Registry(db)
-    meta = store.write(key, 0, C.encode(synthetic_kv(SHAPE, seed=seed), LEVEL), 0)
+    metas = store.write_many(key, encoded(seed, n))
     with reg.transaction():
-        reg.upsert_chunk(key, 0, state="swapped", level=LEVEL, file=meta.name,
-                         checksum=meta.checksum, nbytes=meta.nbytes)
+        for i, meta in enumerate(metas):
+            reg.upsert_chunk(key, i, state="swapped", level=LEVEL, file=meta.name,
+                             checksum=meta.checksum, nbytes=meta.nbytes)
         if step == "commit":
             block("commit")
     if step == "done":
@@ -109,8 +116,8 @@ def main(root: str, db: str) -> None:
         pid = os.fork()
         if pid == 0:
             try:
-                if cmd[0] == "chunk":
-                    write_chunk(root, db, cmd[1], int(cmd[2]), cmd[3])
+                if cmd[0] in ("chunk", "pack"):
+                    write_chunks(root, db, cmd[1], int(cmd[2]), cmd[3], 1 if cmd[0] == "chunk" else 3)
                 else:
                     registry_txn(db, int(cmd[1]))
                 say("FINISHED")  # only if no step stopped us: the parent treats it as a failure

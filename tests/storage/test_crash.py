@@ -22,7 +22,6 @@ from storage import codecs as C
 from storage.chunkfile import ChunkStore
 from storage.registry import ChunkState, Registry
 from tests.storage import crash_writer as W
-from tests.storage.helpers import synthetic_kv
 
 REPO = Path(__file__).resolve().parents[2]
 TRIALS = 20
@@ -86,7 +85,7 @@ def writer(tmp_path):
 
 
 def encoded(seed: int) -> C.EncodedChunk:
-    return C.encode(synthetic_kv(W.SHAPE, seed=seed), W.LEVEL)
+    return W.encoded(seed, 1)[0][1]
 
 
 def install_old_version(root: Path, db: Path) -> tuple[str, str]:
@@ -135,6 +134,38 @@ def test_kill_at_every_step_of_a_chunk_write(writer, tmp_path):
                 assert row.state is ChunkState.SWAPPED
                 assert row.checksum == store.read_meta(ctx, 0).checksum  # registry agrees
                 assert store.usage_bytes() == os.path.getsize(store.path(ctx, 0))
+
+
+def test_kill_at_every_step_of_a_pack_write(writer, tmp_path):
+    """Three chunks written as one pack (a write-back): after a kill they are all old or all new,
+    never a mix, and the pack they were in before is gone once the new one decides them."""
+    root, db = tmp_path / "chunks", tmp_path / "registry.db"
+    versions = {v: [e.payload for _, e, _ in W.encoded(v, 3)] for v in (OLD, NEW)}
+    new_from = W.STEPS.index("fsync_dir")
+    with Registry(str(db)) as reg:
+        reg.create_app("crash-app")
+        ctx = reg.create_context("crash-app")
+        reg.append_tokens(ctx, list(range(48)), "48 tokens")
+    for step_no, step in enumerate(W.STEPS):
+        for trial in range(TRIALS // 2):
+            store = ChunkStore(root, fingerprint=W.FP)
+            with Registry(str(db)) as reg:
+                for i, m in enumerate(store.write_many(ctx, W.encoded(OLD, 3))):
+                    reg.upsert_chunk(ctx, i, state="swapped", level=W.LEVEL, file=m.name,
+                                     checksum=m.checksum, nbytes=m.nbytes)
+            writer.kill_at(f"pack {step} {NEW} {ctx}", step)
+
+            store = ChunkStore(root, fingerprint=W.FP)
+            got = store.read_many(ctx, range(3))
+            expected = NEW if step_no >= new_from else OLD
+            assert all(np.array_equal(g.payload, x) for g, x in zip(got, versions[expected])), (step, trial)
+            names = os.listdir(root / ctx)
+            assert not [n for n in names if n.endswith(".tmp")] and len(names) == 1, (step, trial, names)
+            with Registry(str(db)) as reg:
+                report = reg.verify(store)
+                assert report.missing == [] and report.corrupt == [] and report.orphans == []
+                assert {r.checksum for r in reg.chunks(ctx)} == {store.read_meta(ctx, i).checksum
+                                                                  for i in range(3)}
 
 
 def test_kill_in_the_middle_of_a_registry_transaction(writer, tmp_path):
