@@ -91,6 +91,7 @@ _ALIGN = fmt.PAYLOAD_ALIGN
 _RUN_GAP = 64 * 1024  # read_iter reads across gaps up to this size rather than issue another read
 _RUN_BYTES = 8 << 20  # and reads at most this much in one call
 _FIRST_RUN_BYTES = 1 << 20  # the first run of read_each is at most this long, the next ones double
+# (up to _RUN_BYTES) and then shrink to half of what is left (see _plan)
 _PRIME_BYTES = 4096  # the first read of a pack in read_each is this small (see _fetch)
 
 
@@ -807,13 +808,22 @@ class ChunkStore:
     def _plan(self, key: str, indices: list[int]) -> list[tuple[str | None, list, object]]:
         """Cut the requested chunks, in order, into runs of records that lie close together in one
         pack: (pack path, [(index, record)], None) or (None, [(index, None)], the lookup's error)."""
-        out: list[tuple[str | None, list, object]] = []
-        limit = _FIRST_RUN_BYTES  # runs grow: the first read is short, so checking starts early
+        found: list[tuple[int, _Rec | None, str | None, StorageError | None]] = []
         for i in indices:
             try:
                 rec, path = self._locate(key, i)
+                found.append((i, rec, path, None))
             except StorageError as e:
-                out.append((None, [(i, None)], e))
+                found.append((i, None, None, e))
+        # runs grow from _FIRST_RUN_BYTES, so checking starts early, and shrink to half of what is
+        # left, so the last check (the one no read hides) is short
+        left = sum(r.nbytes for _, r, _, _ in found if r is not None)
+        out: list[tuple[str | None, list, object]] = []
+        grow = _FIRST_RUN_BYTES
+        limit = grow
+        for i, rec, path, err in found:
+            if rec is None:
+                out.append((None, [(i, None)], err))
                 continue
             if out and out[-1][0] == path:
                 last = out[-1][1][-1][1]
@@ -821,9 +831,12 @@ class ChunkStore:
                 gap = rec.offset - (last.offset + last.nbytes)
                 if 0 <= gap <= _RUN_GAP and rec.offset + rec.nbytes - first.offset <= limit:
                     out[-1][1].append((i, rec))
+                    left -= rec.nbytes
                     continue
-                limit = min(2 * limit, _RUN_BYTES)
+                grow = min(2 * grow, _RUN_BYTES)
+            limit = max(min(grow, left // 2), _FIRST_RUN_BYTES // 4)
             out.append((path, [(i, rec)], None))
+            left -= rec.nbytes
         return out
 
     def _fetch(self, run: tuple, fds: dict[str, int], prime: bool = False
