@@ -38,6 +38,15 @@ class LayerGroup:
     """Payload bytes carried."""
 
 
+def _sort(results, got: dict[int, EncodedChunk], failed: dict[int, str]) -> None:
+    """Put the store's (index, chunk or StorageError) results into `got` and `failed` (error codes)."""
+    for i, enc in results:
+        if isinstance(enc, StorageError):
+            failed[i] = enc.code
+        else:
+            got[i] = enc
+
+
 def layer_groups(n_layers: int, group_layers: int) -> list[range]:
     return [range(a, min(n_layers, a + group_layers)) for a in range(0, n_layers, group_layers)]
 
@@ -73,11 +82,7 @@ class KVSwapIO:
         """Read whole chunks; returns (chunks read, {index: error code} for unreadable ones)."""
         got, failed = {}, {}
         t0 = time.monotonic()
-        for i, enc in self.store.read_each(ctx, indices):
-            if isinstance(enc, StorageError):
-                failed[i] = enc.code
-            else:
-                got[i] = enc
+        _sort(self.store.read_each(ctx, indices), got, failed)
         nbytes = sum(e.nbytes for e in got.values())
         self.bytes_read += nbytes
         self.observe("in", nbytes, time.monotonic() - t0)
@@ -89,12 +94,9 @@ class KVSwapIO:
         self.store.prefetch(ctx, indices)
         for g, layers in enumerate(groups):
             t0 = time.monotonic()
-            chunks = {}
-            for i, enc in self.store.read_layers_each(ctx, [i for i in indices if i not in failed], layers):
-                if isinstance(enc, StorageError):
-                    failed[i] = enc.code
-                else:
-                    chunks[i] = enc
+            chunks: dict[int, EncodedChunk] = {}
+            _sort(self.store.read_layers_each(ctx, [i for i in indices if i not in failed], layers),
+                  chunks, failed)
             nbytes = sum(c.nbytes for c in chunks.values())
             self.bytes_read += nbytes
             self.observe("in", nbytes, time.monotonic() - t0)

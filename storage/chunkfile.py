@@ -191,6 +191,20 @@ def _reader() -> ThreadPoolExecutor:
         return _READER
 
 
+def _layout(records: list[list]) -> tuple[list, list[int], int]:
+    """Pack layout of records given as lists of byte buffers: (buffers to write, with zero padding
+    so every record starts at a multiple of 64, each record's offset, total bytes)."""
+    buffers, offsets, o = [], [], 0
+    for parts in records:
+        if o % _ALIGN:
+            buffers.append(bytes(_ALIGN - o % _ALIGN))
+            o = _aligned(o)
+        offsets.append(o)
+        buffers += parts
+        o += sum(len(x) for x in parts)
+    return buffers, offsets, o
+
+
 def _runs(indices: list[int]) -> list[list[int]]:
     """Sorted distinct indices cut into runs of consecutive values."""
     out: list[list[int]] = []
@@ -508,16 +522,9 @@ class ChunkStore:
     def _write_pack(self, c: _Ctx, indices: list[int], built: list) -> dict[int, ChunkMeta]:
         """Write one pack of consecutive chunks (or, with no records, a deletion marker for
         ``indices``) and make it current. Hold _write_lock."""
-        buffers, recs, o = [], [], 0
-        for i, (head, parts, header, crc) in zip(indices, built):
-            if o % _ALIGN:
-                buffers.append(bytes(_ALIGN - o % _ALIGN))
-                o = _aligned(o)
-            n = len(head) + sum(len(x) for x in parts)
-            recs.append((i, o, n, len(head), head, header, crc))
-            buffers += [head, *parts]
-            o += n
-        nbytes = o
+        buffers, offsets, nbytes = _layout([[head, *parts] for head, parts, _, _ in built])
+        recs = [(i, o, len(head) + sum(len(x) for x in parts), len(head), head, header, crc)
+                for i, o, (head, parts, header, crc) in zip(indices, offsets, built)]
         with self._lock:
             gen = c.next_gen
             if gen > _MAX_GEN:
@@ -645,14 +652,8 @@ class ChunkStore:
 
     def _write_copy(self, c: _Ctx, lo: int, hi: int, recs: list[_Rec], data: dict[int, bytes]) -> None:
         """Write a pack deciding ``lo..hi`` that holds copies of ``recs``. Hold _write_lock."""
-        buffers, placed, o = [], [], 0
-        for r in recs:
-            if o % _ALIGN:
-                buffers.append(bytes(_ALIGN - o % _ALIGN))
-                o = _aligned(o)
-            placed.append((r, o))
-            buffers.append(data[r.index])
-            o += r.nbytes
+        buffers, offsets, o = _layout([[data[r.index]] for r in recs])
+        placed = list(zip(recs, offsets))
         with self._lock:
             gen = c.next_gen
             c.next_gen += 1
