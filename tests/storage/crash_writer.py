@@ -7,6 +7,9 @@ reports whether torch or ray came along), then reads commands from stdin, one pe
                       synthetic_kv(seed=SEED) and commits its registry row; the child prints ``AT STEP PID`` and blocks just
                       before STEP (or, for ``midwrite``, after writing half of the bytes)
     pack STEP SEED CTX   the same for chunks 0-2 written as one pack (write_many) and their three rows
+    compact STEP SEED CTX  write chunk 3 of CTX (whose chunks 0-2 are in three packs of one chunk) in
+                      a store with max_packs=3, so the write compacts the context; STEP is a step of
+                      the compaction (COMPACT_STEPS), the chunk's own write runs through
     txn SEED          fork a child that commits one registry transaction (app ``committed-SEED``)
                       then prints ``AT txn PID`` and blocks inside a second one
     quit
@@ -21,7 +24,7 @@ import sys
 import time
 
 from storage import codecs as C
-from storage.chunkfile import ChunkStore
+from storage.chunkfile import ChunkStore, ChunkStoreConfig
 from storage.fileops import FileOps
 from storage.registry import Registry
 from tests.storage.helpers import synthetic_kv
@@ -30,6 +33,9 @@ FP = "crash-test-model"
 SHAPE = (4, 2, 1, 16, 8)
 LEVEL = "q8"
 STEPS = ("open", "midwrite", "fsync", "rename", "fsync_dir", "commit", "done")
+# a compaction: its copy's steps, then the removal of the packs the copy replaced
+COMPACT_STEPS = ("open", "midwrite", "fsync", "rename", "fsync_dir", "unlink", "unlink2", "commit", "done")
+COMPACT_MAX_PACKS = 3
 
 
 def say(line: str) -> None:
@@ -76,6 +82,27 @@ class PausingOps(FileOps):
         super().fsync_dir(path)
 
 
+class CompactPausingOps(PausingOps):
+    """Stops at one step of the compaction that follows a chunk write: armed once the write's own
+    folder fsync is done; ``unlink``/``unlink2`` stop before the first/second pack removal."""
+
+    def __init__(self, step: str, key: str):
+        super().__init__("-", key)
+        self.target, self.unlinks = step, 0
+
+    def fsync_dir(self, path):
+        super().fsync_dir(path)
+        if self.step == "-" and os.path.basename(path) == self.key:
+            self.step = self.target  # the chunk write is durable; the compaction comes next
+
+    def unlink(self, path):
+        if path.endswith(".kvp"):
+            self.unlinks += 1
+            if self.step == ("unlink" if self.unlinks == 1 else "unlink2" if self.unlinks == 2 else ""):
+                block(self.step)
+        super().unlink(path)
+
+
 def encoded(seed: int, n: int) -> list[tuple[int, C.EncodedChunk, int]]:
     """Chunks 0..n-1 of one version (seeds seed, seed + 10, ...), as write_many takes them."""
     return [(i, C.encode(synthetic_kv(SHAPE, seed=seed + 10 * i), LEVEL), 16 * i) for i in range(n)]
@@ -89,6 +116,21 @@ def write_chunks(root: str, db: str, step: str, seed: int, key: str, n: int) -> 
         for i, meta in enumerate(metas):
             reg.upsert_chunk(key, i, state="swapped", level=LEVEL, file=meta.name,
                              checksum=meta.checksum, nbytes=meta.nbytes)
+        if step == "commit":
+            block("commit")
+    if step == "done":
+        block("done")
+
+
+def write_and_compact(root: str, db: str, step: str, seed: int, key: str) -> None:
+    store = ChunkStore(root, ChunkStoreConfig(max_packs=COMPACT_MAX_PACKS), fingerprint=FP,
+                       fs=CompactPausingOps(step, key))
+    reg = Registry(db)
+    _, enc, start = encoded(seed, 4)[3]
+    meta = store.write(key, 3, enc, start)
+    with reg.transaction():
+        reg.upsert_chunk(key, 3, state="swapped", level=LEVEL, file=meta.name,
+                         checksum=meta.checksum, nbytes=meta.nbytes)
         if step == "commit":
             block("commit")
     if step == "done":
@@ -118,6 +160,8 @@ def main(root: str, db: str) -> None:
             try:
                 if cmd[0] in ("chunk", "pack"):
                     write_chunks(root, db, cmd[1], int(cmd[2]), cmd[3], 1 if cmd[0] == "chunk" else 3)
+                elif cmd[0] == "compact":
+                    write_and_compact(root, db, cmd[1], int(cmd[2]), cmd[3])
                 else:
                     registry_txn(db, int(cmd[1]))
                 say("FINISHED")  # only if no step stopped us: the parent treats it as a failure

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from storage import codecs as C
-from storage.chunkfile import ChunkStore
+from storage.chunkfile import ChunkStore, ChunkStoreConfig
 from storage.registry import ChunkState, Registry
 from tests.storage import crash_writer as W
 
@@ -166,6 +166,57 @@ def test_kill_at_every_step_of_a_pack_write(writer, tmp_path):
                 assert report.missing == [] and report.corrupt == [] and report.orphans == []
                 assert {r.checksum for r in reg.chunks(ctx)} == {store.read_meta(ctx, i).checksum
                                                                   for i in range(3)}
+
+
+def test_kill_at_every_step_of_a_compaction(writer, tmp_path):
+    """A write that compacts its context, killed at each step of the compaction's copy and of the
+    removal of the packs it replaced: every chunk reads back as written (the copy is verbatim),
+    no temporary or superseded pack outlives a reopen, the registry agrees, and the store takes
+    the next write."""
+    root, db = tmp_path / "chunks", tmp_path / "registry.db"
+    payloads = [e.payload for _, e, _ in W.encoded(OLD, 4)][:3] + [W.encoded(NEW, 4)[3][1].payload]
+    with Registry(str(db)) as reg:
+        reg.create_app("crash-app")
+    copied_from = W.COMPACT_STEPS.index("fsync_dir")  # from here on the copy exists
+    for step_no, step in enumerate(W.COMPACT_STEPS):
+        for trial in range(TRIALS // 4):  # each stop is deterministic; trials guard against luck
+            store = ChunkStore(root, ChunkStoreConfig(max_packs=W.COMPACT_MAX_PACKS), fingerprint=W.FP)
+            with Registry(str(db)) as reg:  # a fresh context a trial: chunks 0-2 in a pack each
+                ctx = reg.create_context("crash-app")
+                reg.append_tokens(ctx, list(range(80)), "80 tokens")
+                for i, enc, start in W.encoded(OLD, 4)[:3]:
+                    m = store.write(ctx, i, enc, start)
+                    reg.upsert_chunk(ctx, i, state="swapped", level=W.LEVEL, file=m.name,
+                                     checksum=m.checksum, nbytes=m.nbytes)
+                reg.upsert_chunk(ctx, 3, state="missing", level=W.LEVEL)
+            assert len(store.files(ctx)) == 3 and store.compactions == 0
+            writer.kill_at(f"compact {step} {NEW} {ctx}", step)
+
+            store = ChunkStore(root, fingerprint=W.FP)  # reopen: removes stale temporaries
+            got = store.read_many(ctx, range(4))
+            assert all(np.array_equal(g.payload, x) for g, x in zip(got, payloads)), (step, trial)
+            names = sorted(os.listdir(root / ctx))
+            assert not [n for n in names if n.endswith(".tmp")], (step, trial, names)
+            packs = [os.path.basename(q) for q in store.files(ctx)]
+            assert names == packs, (step, trial, names, packs)  # every pack left decides a chunk
+            # before the copy's rename the four packs stand; after it the copy and at most the one
+            # pack the compaction kept (which one depends on the folder's listing order)
+            assert len(packs) == 4 if step_no < copied_from else len(packs) <= 2, (step, trial, names)
+            on_disk = sum(q.stat().st_size for q in root.rglob("*") if q.is_file())
+            assert store.usage_bytes() == on_disk, (step, trial)
+            with Registry(str(db)) as reg:
+                report = reg.verify(store)
+                assert report.missing == [] and report.corrupt == [] and report.orphans == []
+                assert report.adopted == ([] if step == "done" else [(ctx, 3)]), (step, trial)
+                assert [r.checksum for r in reg.chunks(ctx)] == [store.read_meta(ctx, i).checksum
+                                                                for i in range(4)]
+            _, enc, start = W.encoded(NEW, 5)[4]
+            m = store.write(ctx, 4, enc, start)
+            with Registry(str(db)) as reg:
+                reg.upsert_chunk(ctx, 4, state="swapped", level=W.LEVEL, file=m.name,
+                                 checksum=m.checksum, nbytes=m.nbytes)
+            assert np.array_equal(store.read(ctx, 4).payload, enc.payload)
+            assert all(np.array_equal(g.payload, x) for g, x in zip(store.read_many(ctx, range(4)), payloads))
 
 
 def test_kill_in_the_middle_of_a_registry_transaction(writer, tmp_path):
