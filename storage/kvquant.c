@@ -19,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 typedef int64_t i64;
 
@@ -54,6 +57,17 @@ static void read_params(const uint8_t *rec, i64 c, int f32params, float *z, floa
         memcpy(s, rec + c * 4, (size_t)c * 4);
         return;
     }
+#ifdef __F16C__ /* eight at a time (vcvtph2ps, the same floats): the scalar loop below took
+                 * 20-30% of a de-quantize whose output stays in cache */
+    if (c % 8 == 0) {
+        for (i64 k = 0; k < 2; k++) {
+            float *dst = k ? s : z;
+            for (i64 i = 0; i < c; i += 8)
+                _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2 * (k * c + i)))));
+        }
+        return;
+    }
+#endif
 #ifdef __FLT16_MAX__ /* the compiler's half type: vector conversions (F16C, NEON) */
     _Float16 hz[2048];
     if (c <= 2048) {
