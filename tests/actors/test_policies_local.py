@@ -80,6 +80,22 @@ def run(policy, small_engine, texts, reference, tmp_path):
     svc = LocalService(ServiceConfig(data_dir=str(tmp_path / policy), policy=policy, pool_bytes=budget,
                                      max_context_tokens=512, profile=PROFILE), engine=small_engine)
     gov = svc.governor
+    in_switch, switch_writes = [], []
+    upsert, begin = svc.registry.upsert_chunks, gov.begin_call
+
+    def recorded_upsert(ctx, rows, durable=True):
+        if in_switch:
+            switch_writes.append(durable)
+        return upsert(ctx, rows, durable=durable)
+
+    def flagged_begin(*a, **k):
+        in_switch.append(1)
+        try:
+            return begin(*a, **k)
+        finally:
+            in_switch.pop()
+
+    svc.registry.upsert_chunks, gov.begin_call = recorded_upsert, flagged_begin
     checks = []
     for name in ("admit", "loaded", "begin_call"):  # check the budget after every governor step
         orig = getattr(gov, name)
@@ -106,6 +122,16 @@ def run(policy, small_engine, texts, reference, tmp_path):
             assert res.switch_ms <= res.ttft_s * 1000 <= res.total_s * 1000
     svc.executor.flush()
     assert checks and max(checks) <= budget
+    # a switch writes registry rows only with a new file (on-demand swap-out, durable); rows of
+    # chunks it evicted otherwise are written after the reply, so after the last write-back the
+    # registry agrees with the governor's books
+    assert False not in switch_writes
+    for c in ctxs:
+        rows = {r.index: r.state.value for r in svc.registry.chunks(c)}
+        for i, ch in gov.books[c].chunks.items():
+            want = ("both" if ch.handle is not None else "swapped") if ch.file else (
+                "resident" if ch.handle is not None else "missing")
+            assert rows.get(i) == want, (c, i)
     check_restore_records(svc, restores)
     return svc, tok, ctxs, outs
 
