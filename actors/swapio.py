@@ -88,6 +88,24 @@ class KVSwapIO:
         self.observe("in", nbytes, time.monotonic() - t0)
         return got, failed
 
+    def read_stream(self, ctx: str, indices: list[int]) -> tuple[Iterator[tuple[int, EncodedChunk]], dict[int, str]]:
+        """Read whole chunks, yielding each (index, chunk) as soon as it is read and checked; the
+        second value fills with {index: error code} of unreadable ones as the iterator runs."""
+        failed: dict[int, str] = {}
+
+        def chunks() -> Iterator[tuple[int, EncodedChunk]]:
+            t0, nbytes = time.monotonic(), 0
+            for i, enc in self.store.read_each(ctx, indices):
+                if isinstance(enc, StorageError):
+                    failed[i] = enc.code
+                else:
+                    nbytes += enc.nbytes
+                    yield i, enc
+            self.bytes_read += nbytes
+            self.observe("in", nbytes, time.monotonic() - t0)
+
+        return chunks(), failed
+
     def read_groups(self, ctx: str, indices: list[int], groups: list[range]) -> Iterator[LayerGroup]:
         """Read the chunks layer group by layer group, yielding each group as soon as it is read."""
         failed: dict[int, str] = {}
