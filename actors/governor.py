@@ -409,7 +409,7 @@ class MemoryGovernor:
         the call's `admit`, after the reply, not here. Such an eviction turns `both` into `swapped`
         (or drops a killed chunk), which is also what a restart makes of the old rows
         (`Registry.drop_resident`), so a crash in between loses nothing; it takes the SQLite
-        transaction (2-4 ms on the test VM, most of `begin_call`) out of `switch_ms`."""
+        transaction (2-9 ms on the test VM, most of `begin_call`) out of `switch_ms`."""
         over = self.pool_used + need - self.cfg.pool_bytes
         if over <= 0:
             return 0, 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -74,23 +75,22 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
             for _ in store.read_each(key, range(len(encs))):  # untimed: the first read of a process
                 pass  # builds the crc32 kernel (~0.6 s on a machine without its cached build)
             for k in (8, len(encs)):  # two counts per level: chunks and bytes vary independently
-                times = []
-                for _ in range(3):
-                    t = time.perf_counter()
-                    for _ in store.read_each(key, range(k)):
-                        pass
-                    times.append(time.perf_counter() - t)
-                io.append((sum(sizes[:k]), sorted(times)[1]))
-                times = []
-                for _ in range(3):
-                    t = time.perf_counter()
-                    decode(encs[:k])
-                    times.append(time.perf_counter() - t)
-                dec.append((level, k, sorted(times)[1]))
+                io.append((sum(sizes[:k]), _median_of_3(lambda: deque(store.read_each(key, range(k)), maxlen=0))))
+                dec.append((level, k, _median_of_3(lambda: decode(encs[:k]))))
             if progress:
                 print(f"llmaas profile: {len(encs)} chunks at {level}: read {sum(sizes) / 1e6:.1f} MB "
                       f"{io[-1][1] * 1000:.1f} ms, de-quantize {dec[-1][2] * 1000:.1f} ms", file=sys.stderr)
     return CostProfile.fit(rec, io, dec)
+
+
+def _median_of_3(fn) -> float:
+    """Seconds of the middle of three calls of `fn`."""
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[1]
 
 
 def profile_key(fingerprint: str, threads: int, chunk_tokens: int, read_bytes_per_s: float) -> ProfileKey:
