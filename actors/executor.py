@@ -87,6 +87,7 @@ class InProcessRestorer:
     def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h,
                  threads: int = 2, group_layers: int = 6) -> None:
         self.model = model
+        self.threads = threads
         self.group_layers = group_layers
         self.io = io
         self.resolve = resolve

@@ -80,13 +80,8 @@ class KVSwapIO:
 
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, EncodedChunk], dict[int, str]]:
         """Read whole chunks; returns (chunks read, {index: error code} for unreadable ones)."""
-        got, failed = {}, {}
-        t0 = time.monotonic()
-        _sort(self.store.read_each(ctx, indices), got, failed)
-        nbytes = sum(e.nbytes for e in got.values())
-        self.bytes_read += nbytes
-        self.observe("in", nbytes, time.monotonic() - t0)
-        return got, failed
+        chunks, failed = self.read_stream(ctx, indices)
+        return dict(chunks), failed
 
     def read_stream(self, ctx: str, indices: list[int]) -> tuple[Iterator[tuple[int, EncodedChunk]], dict[int, str]]:
         """Read whole chunks, yielding each (index, chunk) as soon as it is read and checked; the
