@@ -197,7 +197,7 @@ class ModelExecutor:
         restorer,
         *,
         working_set: KVCache | None = None,
-        put: Callable[[codecs.EncodedChunk], Any] = lambda enc: enc,
+        put: Callable[[list[codecs.EncodedChunk]], list[Any]] = list,
         background: bool = True,
     ) -> None:
         self.engine = engine
@@ -205,6 +205,7 @@ class ModelExecutor:
         self.gov = governor
         self.restorer = restorer
         self.put = put
+        """Handles for encoded chunks, one per chunk, in order (on Ray: object refs, put in one go)."""
         self.chunk = engine.cfg.chunk_tokens
         self.ws = working_set or self.model.new_cache(engine.limit)
         self._last: tuple[str, str | None, EngineContext] | None = None
@@ -350,7 +351,9 @@ class ModelExecutor:
         if ws.missing:
             raise RuntimeError(f"restore left chunks {sorted(ws.missing)} missing")
         if loaded:
-            self.gov.loaded(plan.ctx, [(i, self.put(enc) if not _is_handle(enc) else enc, n) for i, enc, n in loaded])
+            fresh = [enc for _i, enc, _n in loaded if not _is_handle(enc)]
+            handles = iter(self.put(fresh))
+            self.gov.loaded(plan.ctx, [(i, next(handles) if not _is_handle(enc) else enc, n) for i, enc, n in loaded])
         return stats
 
     def _engine_context(self, plan: CallPlan) -> EngineContext:
@@ -394,12 +397,10 @@ class ModelExecutor:
         """Encode the chunks the governor asked for and admit them to the pool (after the reply). The
         chunks are encoded straight from the working set: the next call waits for this (`flush`)
         before it writes there."""
-        encoded, starts = [], {}
-        for i, level in sorted(todo.items()):
-            enc = codecs.encode(self.ws.chunk_array(i), level, dtype=self.level_dtype)
-            encoded.append((i, level, self.put(enc), enc.nbytes))
-            starts[i] = i * self.chunk
-        self.gov.admit(ctx, encoded, starts)
+        order = sorted(todo.items())
+        encs = [codecs.encode(self.ws.chunk_array(i), level, dtype=self.level_dtype) for i, level in order]
+        encoded = [(i, level, h, enc.nbytes) for (i, level), enc, h in zip(order, encs, self.put(encs))]
+        self.gov.admit(ctx, encoded, {i: i * self.chunk for i, _ in order})
 
 
 def _is_handle(x) -> bool:

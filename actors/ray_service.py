@@ -3,8 +3,10 @@ executor as separate actors exchanging object refs (the user's design card).
 
 - governor and IO worker request no CPU; executor and recompute worker one each, with one torch thread
   each, so torch threads add up to at most 2 on a 2-core node;
-- the IO worker streams layer groups to the recompute worker (a Ray streaming generator), which
-  decodes and recomputes into the executor's working set in shared memory;
+- a restore that recomputes runs in the recompute worker, which consumes the IO worker's stream of
+  layer groups (a Ray streaming generator) and decodes and recomputes into the executor's working
+  set in shared memory; one that does not runs in the executor, which de-quantizes on a pool of two
+  threads while the IO worker streams it batches of chunks (the worker is idle then);
 - resident chunks are `EncodedChunk`s in the object store: the executor puts them, the governor holds
   the refs and the budget, the IO worker writes them to disk ahead of time;
 - every actor restarts on failure (`max_restarts`) and rebuilds its state from the registry and the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +31,7 @@ import ray
 from actors.recompute import RecomputeWorker, RestoreRequest, RestoreStats, shared_working_set
 from actors.service import ServiceConfig, drain
 from actors.swapio import KVSwapIO, layer_groups
+from engine.threads import single_threaded_torch
 from storage import codecs
 
 NAMESPACE = "llmaas"
@@ -60,10 +64,6 @@ def call_retrying(method, *args, deadline_s: float = 60.0, **kwargs):
                 raise
             time.sleep(delay)
             delay = min(1.0, delay * 2)
-
-
-def _ray_get_many(hs):
-    return ray.get(list(hs))
 
 
 class _Remote:
@@ -137,12 +137,28 @@ class GovernorActor:
         self.metrics.evictions.labels(c.policy)
         self._evictions = 0
         self._publish()
+        # the gauges are published by a thread of their own, PUBLISH_DELAY_S after a change, so that
+        # their ~1 ms is not inside the reply of the call that made it (a switch's `begin_call`)
+        self._lock = threading.Lock()  # the governor's books: one method or one publish at a time
+        self._changed = threading.Event()
+        threading.Thread(target=self._publisher, name="publish-gauges", daemon=True).start()
+
+    PUBLISH_DELAY_S = 0.05
 
     def call(self, method: str, *args, **kwargs):
         try:
-            return getattr(self.gov, method)(*args, **kwargs)
+            with self._lock:
+                return getattr(self.gov, method)(*args, **kwargs)
         finally:
-            self._publish()
+            self._changed.set()
+
+    def _publisher(self) -> None:
+        while True:
+            self._changed.wait()
+            time.sleep(self.PUBLISH_DELAY_S)  # the other calls of the same switch come meanwhile
+            self._changed.clear()
+            with self._lock:
+                self._publish()
 
     def call_from_executor(self, method: str, *args, **kwargs):
         """`call` for the executor: returns (result, keys of the handles dropped since its last call,
@@ -188,7 +204,8 @@ class GovernorActor:
             m.cost_factor.labels(policy, stage).set(f)
 
     def registry_call(self, method: str, *args, **kwargs):
-        return getattr(self.registry, method)(*args, **kwargs)
+        with self._lock:
+            return getattr(self.registry, method)(*args, **kwargs)
 
     def held_nbytes(self) -> int:
         return self.gov.pool_used
@@ -196,22 +213,38 @@ class GovernorActor:
 
 class _GovernorProxy:
     """The executor's view of the governor actor: attribute calls become actor calls. Holds the object
-    refs of the chunks the executor put (`put`), by key, and drops each as the governor releases it."""
+    refs of the chunks the executor put (`put`), by key, each with a zero-copy view of the object (its
+    arrays map the object store's memory: no second copy), and drops both as the governor releases
+    the chunk. The views let this executor de-quantize resident chunks without fetching them.
+
+    Dropping an object costs ~0.1-0.2 ms (the object store frees it), and a switch that evicts room
+    for a large load releases ~90 chunks, so the drops wait for the next `put` (the call's
+    write-back, after the reply), which frees them before it puts anything new: the object store
+    never holds both the evicted chunks and their replacements."""
 
     def __init__(self, handle) -> None:
         self._h = handle
         self.registry = _RegistryProxy(handle)
         self.held: dict[int, object] = {}
+        self.views: dict[int, codecs.EncodedChunk] = {}
+        self._dropped: list = []  # released refs and views, freed by the next `put`
         self._next_key = 0
         self._epoch: str | None = None
         self._lock = threading.Lock()  # the call and the write-back thread both call the governor
 
-    def put(self, enc) -> PoolRef:
+    def put(self, encs: list) -> list[PoolRef]:
         with self._lock:
-            self._next_key += 1
-            key = self._next_key
-            ref = self.held[key] = ray.put(enc)
-        return PoolRef(key, ref)
+            dropped, self._dropped = self._dropped, []
+        del dropped  # the object store frees them here
+        refs = [ray.put(enc) for enc in encs]
+        views = ray.get(refs)  # one fetch for all: ~0.08 ms a chunk, against ~0.2 ms one by one
+        out = []
+        with self._lock:
+            for ref, view in zip(refs, views):
+                self._next_key += 1
+                self.held[self._next_key], self.views[self._next_key] = ref, view
+                out.append(PoolRef(self._next_key, ref))
+        return out
 
     def __getattr__(self, name):
         return lambda *a, **k: self._settle(*call_retrying(self._h.call_from_executor, name, *a, **k))
@@ -235,9 +268,10 @@ class _GovernorProxy:
             if epoch != self._epoch:  # a new governor process: it holds none of the old chunks
                 if self._epoch is not None:
                     self.held.clear()
+                    self.views.clear()
                 self._epoch = epoch
             for key in released:
-                self.held.pop(key, None)
+                self._dropped += (self.held.pop(key, None), self.views.pop(key, None))
         return out
 
 
@@ -250,120 +284,100 @@ class _RegistryProxy:
 
 
 class RayRestorer:
-    """Hands a restore to the recompute worker, which consumes the IO worker's stream. Layer groups are
-    sized per restore so that handing a group over (one object ref, measured at start) costs under a
-    tenth of reading it (scheduler.pipeline.layer_group_size), at the read rate last observed."""
+    """A restore on Ray. With recompute planned, the recompute worker does it, consuming the IO worker's
+    stream of layer groups, sized per restore so that handing a group over (one object ref, measured
+    at start) costs under a tenth of reading it (scheduler.pipeline.layer_group_size), at the read
+    rate last observed. Without, this executor does it (`_restore_here`)."""
 
     def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
-                 read_rate, io=None) -> None:
+                 read_rate, io, held: dict, views: dict, threads: int = 2) -> None:
         self.worker = worker
-        self.io = io  # the IO worker: the executor's own share of a restore's loads, when it takes one
-        self.held: dict | None = None  # key -> object ref of the resident chunks (the governor proxy's)
+        self.io = io
+        self.held = held  # key -> object ref of the resident chunks (the governor proxy's)
+        self.views = views  # key -> zero-copy view of the same chunk
         self.cfg = cfg
         self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
         self.shm_name, self.capacity = shm_name, capacity
         self.per_ref_s = per_ref_s
         self.read_rate = read_rate
-        self.decode_s = 2.5e-4  # de-quantizing one chunk on this executor's thread, as last observed
-        self.decode_seeded = False
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
 
-    def seed_decode(self, profile) -> None:
-        """Start from the profile's de-quantizing cost a chunk (the mean over its levels; measured
-        by this executor, on its thread); restores then refine it."""
-        costs = [v for _, v in profile.decode.per_level]
-        if costs:
-            self.decode_s = sum(costs) / len(costs)
-            self.decode_seeded = True
+    def _load_nbytes(self, plan) -> int:
+        return sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
 
     def group_size(self, plan) -> int:
         from scheduler.pipeline import layer_group_size
 
         if not plan.recompute:  # nothing to overlap the reads with: one group, one hand-over
             return self.cfg.n_layers
-        nbytes = sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
-        return layer_group_size(self.cfg.n_layers, self.per_ref_s, self.read_rate.s_per_byte, nbytes)
+        return layer_group_size(self.cfg.n_layers, self.per_ref_s, self.read_rate.s_per_byte, self._load_nbytes(plan))
+
+    def batch_size(self, plan) -> int:
+        """Loaded chunks per streamed batch of `_restore_here`: the rule of `group_size`, over chunks."""
+        from scheduler.pipeline import layer_group_size
+
+        n = len(plan.load)
+        return layer_group_size(n, self.per_ref_s, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
 
     def restore(self, ws, plan):
-        resident, lost = [], []
-        for i, _level, key in plan.resident:  # keys to the refs this executor holds
-            ref = self.held.get(key) if self.held is not None else key
-            if ref is None:
-                lost.append(i)
-            else:
-                resident.append((i, ref))
+        lost = [i for i, _level, key in plan.resident if key not in self.held]
         if lost:  # not expected (the governor reports every handle it drops): recompute rather than fail
             plan.recompute = sorted(set(plan.recompute) | set(lost))
-        if not plan.recompute:  # nothing reads other chunks' K/V: decode the resident ones here
-            return self._restore_split(ws, plan, resident)
+        keys = [(i, key) for i, _level, key in plan.resident if key in self.held]
+        if not plan.recompute:  # nothing reads other chunks' K/V: restore here
+            return self._restore_here(ws, plan, keys)
         size = self.group_size(plan)
         groups = layer_groups(self.cfg.n_layers, size)
-        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, resident,
+        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, self.held[key]) for i, key in keys],
                              [i for i, _, _ in plan.load], list(plan.recompute), groups,
                              self.shm_name, self.capacity)
         res = call_retrying(self.worker.restore, req)
         return self._finish(ws, plan, res, size)
 
-    def _restore_split(self, ws, plan, resident):
-        """Without recompute no chunk waits for another, so the work is shared between two threads in two
-        processes: the recompute worker reads and de-quantizes the loaded chunks and some resident ones
-        while this executor, idle otherwise, de-quantizes the other resident ones straight into the
-        working set (scheduler.pipeline.local_share evens the two; a small restore stays here, no hop).
-        When the loads alone are more than the worker's half, this executor also takes some of them: the
-        IO worker reads them for it (one reply) and it de-quantizes them after its resident share."""
-        from scheduler.pipeline import local_share
-
-        read_s = self.read_rate.s_per_byte * sum(codecs.stored_nbytes(lv, self.chunk_shape) for _, lv, _ in plan.load)
-        loads = [i for i, _, _ in plan.load]
-        m = local_share(len(resident), len(loads), read_s, self.decode_s, 2 * self.per_ref_s,
-                        take_loads=self.io is not None)
-        mine, theirs = resident[:m], resident[m:]
-        my_loads, loads = loads[: max(0, m - len(resident))], loads[max(0, m - len(resident)):]
-        ref = io_ref = None
-        if loads or theirs:
-            req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, theirs, loads, [],
-                                 [range(self.cfg.n_layers)], self.shm_name, self.capacity,
-                                 present=[i for i, _ in mine] + my_loads, recompute_failed=False)
-            ref = self.worker.restore.remote(req)
-        if my_loads:  # loads beyond the worker's half: read for this executor by the IO worker
-            io_ref = self.io.read.remote(plan.ctx, my_loads)
-        t = time.monotonic()
-        encs = ray.get([h for _, h in mine]) if mine else []
-        fetched = ("fetch", -1, t, time.monotonic())
-        t = time.monotonic()
+    def _restore_here(self, ws, plan, keys):
+        """Without recompute no chunk waits for another, so this executor does it all, as the one-process
+        restorer does: a pool of `threads` threads de-quantizes the resident chunks, from the views kept
+        at `put` (nothing fetched), then each batch of loaded chunks as the IO worker streams it in.
+        The recompute worker is idle meanwhile, so the pool uses the core it would. Chunks whose file
+        fails are recomputed by the worker once every other chunk is in (they attend to them)."""
         kv = ws.kv.numpy()
-        for (i, _), enc in zip(mine, encs):
+        res = RestoreStats(resident=len(keys))
+        events = res.timeline
+
+        def decode(i: int, enc: codecs.EncodedChunk) -> None:
+            a = time.monotonic()
             s, e = ws.chunk_range(i)
             codecs.decode(enc, out=kv[:, :, :, s:e])
-        local = ("resident", -1, t, time.monotonic())
-        if mine:
-            self.decode_s = 0.7 * self.decode_s + 0.3 * (local[3] - local[2]) / len(mine)
-        mine_count, mine_loaded, mine_failed, loaded_here = 0, 0, {}, []
-        if io_ref is not None:
-            try:
-                got, mine_failed = ray.get(io_ref)
-            except ray.exceptions.ActorUnavailableError:  # the IO worker is restarting
-                got, mine_failed = call_retrying(self.io.read, plan.ctx, my_loads)
-            t = time.monotonic()
-            for i, enc in got.items():
-                s, e = ws.chunk_range(i)
-                codecs.decode(enc, out=kv[:, :, :, s:e])
-                mine_loaded += enc.nbytes
-            loaded_here = [("decode", -1, t, time.monotonic())]
-            mine_count = len(got)
-        if ref is None:
-            res = RestoreStats(resident=len(resident))
-        else:
-            try:
-                res = ray.get(ref)
-            except ray.exceptions.ActorUnavailableError:  # the worker is restarting: as call_retrying does
-                res = call_retrying(self.worker.restore, req)
-            res.resident = len(resident)
-        if io_ref is not None:
-            res.loaded += mine_count
-            res.loaded_bytes += mine_loaded
-            res.failed.update(mine_failed)
-            res.faults += len(mine_failed)
-        res.timeline += [fetched, local] + loaded_here
+            events.append(("decode", i, a, time.monotonic()))  # list.append is atomic under the GIL
+
+        jobs = [self.pool.submit(decode, i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
+        loads = [i for i, _, _ in plan.load]
+        got: set[int] = set()
+        try:
+            if loads:
+                def take(chunks, failed, a, b, k):
+                    for i, enc in chunks:
+                        jobs.append(self.pool.submit(decode, i, enc))
+                        got.add(i)
+                        res.loaded_bytes += enc.nbytes
+                    res.failed.update(failed)
+                    events.append(("read", k, a, b))
+
+                try:
+                    for ref in self.io.read_batches.remote(plan.ctx, loads, self.batch_size(plan)):
+                        batch = ray.get(ref)
+                        take(batch.chunks, batch.failed, batch.read_start, batch.read_end, batch.index)
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+                    # the IO worker stopped mid-stream: ask the restarted one for the rest
+                    rest = [i for i in loads if i not in got and i not in res.failed]
+                    t = time.monotonic()
+                    chunks, failed = call_retrying(self.io.read, plan.ctx, rest)
+                    take(chunks.items(), failed, t, time.monotonic(), -1)
+        finally:
+            for j in jobs:  # every decode ends before the working set is touched again, even on an error
+                j.result()
+        res.loaded, res.faults = len(got), len(res.failed)
         if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
             n = -(-plan.kv_tokens // self.chunk_shape[3])
             fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
@@ -428,12 +442,9 @@ class ExecutorActor:
         prof = CostProfile.from_json(c.profile) if c.profile else None
         self.read_rate = ReadRate(prof.io.slope if prof else 0.0)
         self.per_ref_s = per_ref_seconds(io_handle)
-        restorer = RayRestorer(recompute_handle, model.cfg, shm_name, engine.limit, c.chunk_tokens,
-                               self.per_ref_s, self.read_rate, io=io_handle)
-        if prof is not None:
-            restorer.seed_decode(prof)
         gov = _GovernorProxy(gov_handle)
-        restorer.held = gov.held
+        restorer = RayRestorer(recompute_handle, model.cfg, shm_name, engine.limit, c.chunk_tokens,
+                               self.per_ref_s, self.read_rate, io_handle, gov.held, gov.views)
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=gov.put, background=True)  # write-back after the reply
         # after a restart: the call in flight died with the old process, whose objects (the resident
@@ -489,8 +500,6 @@ class ExecutorActor:
                                progress=False)
         if self.read_rate.s_per_byte <= 0:
             self.read_rate.s_per_byte = prof.io.slope
-        if not self.ex.restorer.decode_seeded:
-            self.ex.restorer.seed_decode(prof)
         return prof.to_json()
 
     def held_refs(self) -> int:

@@ -1,9 +1,10 @@
 """The KV swap/IO worker: reads and writes chunk records (pack files) (DESIGN.md §4 step 3, §9).
 
 A plain class around `storage.ChunkStore`; `actors.service` makes it a Ray actor that requests no CPU.
-Reads for a restore come out per layer group (`read_groups`, a generator: under Ray a streaming
-generator, so a consumer gets group `g` while group `g+1` is still being read). Writes take resident
-handles; `resolve` turns a handle into an `EncodedChunk` (identity in one process, `ray.get` under Ray).
+Reads for a restore come out per layer group (`read_groups`) or as batches of whole chunks
+(`read_batches`); both are generators, under Ray streaming generators, so a consumer gets group or
+batch `k` while `k+1` is still being read. Writes take resident handles; `resolve` turns a handle
+into an `EncodedChunk` (identity in one process, `ray.get` under Ray).
 
 It knows nothing about policies or the model: it moves bytes and reports timings.
 """
@@ -36,6 +37,21 @@ class LayerGroup:
     """time.monotonic() around the reads of this group, seconds."""
     nbytes: int
     """Payload bytes carried."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkBatch:
+    """One yield of `read_batches`: some whole chunks."""
+
+    index: int
+    """Batch number, from 0."""
+    chunks: list[tuple[int, EncodedChunk]]
+    """(chunk index, chunk), in the order asked."""
+    failed: dict[int, str]
+    """Chunk index -> error code, for the chunks found unreadable so far (recompute them)."""
+    read_start: float
+    read_end: float
+    """time.monotonic() around the reads of this batch, seconds."""
 
 
 def _sort(results, got: dict[int, EncodedChunk], failed: dict[int, str]) -> None:
@@ -100,6 +116,22 @@ class KVSwapIO:
             self.observe("in", nbytes, time.monotonic() - t0)
 
         return chunks(), failed
+
+    def read_batches(self, ctx: str, indices: list[int], batch: int) -> Iterator[ChunkBatch]:
+        """Read whole chunks, yielding them `batch` at a time as soon as they are read and checked
+        (under Ray a streaming generator: the consumer decodes batch `k` while `k+1` is read)."""
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        chunks, failed = self.read_stream(ctx, indices)
+        got: list[tuple[int, EncodedChunk]] = []
+        k, t0 = 0, time.monotonic()
+        for item in chunks:
+            got.append(item)
+            if len(got) == batch:
+                yield ChunkBatch(k, got, dict(failed), t0, time.monotonic())
+                got, k, t0 = [], k + 1, time.monotonic()
+        if got or failed or k == 0:
+            yield ChunkBatch(k, got, dict(failed), t0, time.monotonic())
 
     def read_groups(self, ctx: str, indices: list[int], groups: list[range]) -> Iterator[LayerGroup]:
         """Read the chunks layer group by layer group, yielding each group as soon as it is read."""

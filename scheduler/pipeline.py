@@ -406,7 +406,8 @@ def layer_group_size(n_layers: int, per_ref_s: float, io_s_per_byte: float, load
     takes at least ``per_ref_s / ref_share`` (so handing a group over costs under a tenth of reading
     it, issue 4), which keeps the most groups, and so the most IO/recompute overlap, at that cost.
 
-    One group of everything when nothing is loaded or the costs are unknown (zero)."""
+    One group of everything when nothing is loaded or the costs are unknown (zero). The same rule
+    sizes the batches of whole chunks an executor's restore streams in (``n_layers``: the chunks)."""
     count("n_layers", n_layers, 1)
     if load_bytes <= 0 or io_s_per_byte <= 0 or per_ref_s <= 0:
         return n_layers
@@ -515,31 +516,3 @@ class OnlineCosts:
         return {"stages": {s: self.factor(s) for s in STAGES},
                 "residual": {k: math.exp(v) for k, v in sorted(self.residual_log.items())},
                 "observed": self.observed}
-
-
-def local_share(n_resident: int, n_load: int, read_s: float, decode_s: float, hop_s: float,
-                take_loads: bool = False) -> int:
-    """How many of a restore's ``n_resident`` chunks the executor should de-quantize itself while the
-    recompute worker, one hop away, reads and de-quantizes the ``n_load`` loaded chunks and the other
-    resident ones (a restore without recompute: no chunk waits for another). Each side runs one
-    thread; the split evens their finishing times:
-
-        executor  m * decode_s
-        worker    hop_s + read_s + (n_load + n_resident - m) * decode_s
-
-    ``read_s``: the loads' read time; ``decode_s``: seconds to de-quantize one chunk on one thread.
-    All local (``n_resident``) when the worker's share would be under one chunk.
-
-    ``take_loads``: the executor may also take loaded chunks (read for it by the IO worker) when the
-    loads alone are more than the worker's half; the share can then exceed ``n_resident`` (by the
-    number of loads it takes), and the worker keeps at least one load."""
-    count("n_resident", n_resident)
-    count("n_load", n_load)
-    if n_resident == 0 and not take_loads:
-        return 0
-    if not decode_s > 0:
-        return n_resident
-    m = math.ceil((n_load + n_resident) / 2 + (hop_s + read_s) / (2 * decode_s))
-    if take_loads and m > n_resident and n_load > 1:
-        return min(m, n_resident + n_load - 1)
-    return n_resident if n_resident - m < 1 else max(0, m)

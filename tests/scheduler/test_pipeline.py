@@ -389,31 +389,3 @@ def test_online_costs_ignore_tiny_stages_and_clamp_outliers():
     for bad in ({"weight": 0}, {"weight": 1.5}, {"max_factor": 1.0}):
         with pytest.raises(ValueError):
             OnlineCosts(**bad)
-
-
-def test_local_share_evens_the_two_sides():
-    from scheduler.pipeline import local_share
-
-    d, hop = 2.5e-4, 5e-4
-    # resident only: half each, the executor a little more for the worker's hop
-    m = local_share(90, 0, 0.0, d, hop)
-    assert m == 46
-    ex, wk = m * d, hop + (90 - m) * d
-    assert abs(ex - wk) <= d
-    # loads on the worker's side: the executor takes more of the resident chunks
-    m2 = local_share(90, 10, 0.004, d, hop)
-    assert m2 > m and abs(m2 * d - (hop + 0.004 + (10 + 90 - m2) * d)) <= d
-    # the worker already has more than its half: everything resident stays here
-    assert local_share(10, 60, 0.02, d, hop) == 10
-    # unless the executor may take loads too: then it takes some of them, the worker keeps at least one
-    m5 = local_share(10, 60, 0.004, d, hop, take_loads=True)
-    assert 10 < m5 < 70 and m5 == math.ceil(35 + (hop + 0.004) / (2 * d))
-    assert local_share(10, 60, 0.02, d, hop, take_loads=True) == 69  # a long read: all loads but one
-    assert local_share(0, 100, 1.0, d, hop, take_loads=True) == 99
-    assert local_share(40, 10, 0.0, d, hop, take_loads=True) == local_share(40, 10, 0.0, d, hop)
-    # too little to share for a hop
-    assert local_share(2, 0, 0.0, d, 1e-3) == 2
-    assert local_share(0, 5, 0.001, d, hop) == 0
-    assert local_share(7, 0, 0.0, 0.0, hop) == 7
-    with pytest.raises(ValueError):
-        local_share(-1, 0, 0.0, d, hop)
