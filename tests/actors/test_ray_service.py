@@ -4,7 +4,6 @@ restart, the fault primitive, and the swap-recompute pipeline overlapping IO wit
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import ray
