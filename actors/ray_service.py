@@ -522,6 +522,12 @@ class ExecutorActor:
             self.ex.ws_ctx = None
 
     def close(self) -> None:
+        try:  # the last write-back encodes from the working set: it must end before the segment goes
+            self.ex.flush()
+        except Exception:
+            import logging
+
+            logging.getLogger(__name__).exception("the last write-back failed at shutdown")
         self.shm.close()
         self.shm.unlink()
 
