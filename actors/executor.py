@@ -102,16 +102,11 @@ class InProcessRestorer:
         kv = ws.kv.numpy() if ws.device.type == "cpu" else None
         events = stats.timeline
 
-        def decode(i: int, enc: codecs.EncodedChunk) -> None:
-            a = time.monotonic()
-            _decode_into(ws, kv, i, enc)
-            events.append(("decode", i, a, time.monotonic()))  # list.append is atomic under the GIL
-
         def submit(i: int, enc: codecs.EncodedChunk):
             if self.pool is None or kv is None:  # off the CPU the device's own queue orders the copies
-                decode(i, enc)
+                decode_timed(ws, kv, i, enc, events)
                 return None
-            return self.pool.submit(decode, i, enc)
+            return self.pool.submit(decode_timed, ws, kv, i, enc, events)
 
         jobs = [submit(i, self.resolve(handle)) for i, _level, handle in plan.resident]
         stats.resident += len(plan.resident)
@@ -178,6 +173,14 @@ class InProcessRestorer:
             t.join()
         plan.recompute = sorted(set(plan.recompute) | set(res.failed) | set(load))  # re-encode after the call
         return res
+
+
+def decode_timed(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk, events: list) -> None:
+    """De-quantize chunk `i` into the working set (`kv`: its numpy view on the CPU, else None) and
+    add its ("decode", i, start, end) event to `events` (safe from several threads)."""
+    a = time.monotonic()
+    _decode_into(ws, kv, i, enc)
+    events.append(("decode", i, a, time.monotonic()))  # list.append is atomic under the GIL
 
 
 def _decode_into(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk) -> None:

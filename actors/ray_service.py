@@ -28,6 +28,7 @@ from pathlib import Path
 
 import ray
 
+from actors.executor import decode_timed
 from actors.recompute import RecomputeWorker, RestoreRequest, RestoreStats, shared_working_set
 from actors.service import ServiceConfig, drain
 from actors.swapio import KVSwapIO, layer_groups
@@ -344,21 +345,15 @@ class RayRestorer:
         kv = ws.kv.numpy()
         res = RestoreStats(resident=len(keys))
         events = res.timeline
-
-        def decode(i: int, enc: codecs.EncodedChunk) -> None:
-            a = time.monotonic()
-            s, e = ws.chunk_range(i)
-            codecs.decode(enc, out=kv[:, :, :, s:e])
-            events.append(("decode", i, a, time.monotonic()))  # list.append is atomic under the GIL
-
-        jobs = [self.pool.submit(decode, i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
+        decode = lambda i, enc: self.pool.submit(decode_timed, ws, kv, i, enc, events)  # noqa: E731
+        jobs = [decode(i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
         loads = [i for i, _, _ in plan.load]
         got: set[int] = set()
         try:
             if loads:
                 def take(chunks, failed, a, b, k):
                     for i, enc in chunks:
-                        jobs.append(self.pool.submit(decode, i, enc))
+                        jobs.append(decode(i, enc))
                         got.add(i)
                         res.loaded_bytes += enc.nbytes
                     res.failed.update(failed)
