@@ -94,9 +94,12 @@ def test_every_dashboard_query_returns_data(server, prometheus):
     for r in range(2):
         for c in ctxs:
             app.call(c, text if r == 0 else "And in three words?", max_tokens=6)
-    requests.get(server.url + "/v1/contexts/" + "0" * 32, headers={"Authorization": f"Bearer {app.token}"})
+    missing = requests.get(server.url + "/v1/contexts/" + "0" * 32, headers={"Authorization": f"Bearer {app.token}"})
+    assert missing.status_code == 404
+    # a scrape after the workload and the 404 (the calls alone may have been scraped before the 404)
     wait_for(lambda: [s for s in query(prometheus, "sum(llmaas_calls_total) >= 8")], 30,
              "a scrape after the workload")
+    wait_for(lambda: query(prometheus, 'llmaas_requests_total{code="404"} > 0'), 30, "a scrape after the 404")
 
     dash = json.loads((ROOT / "dashboards" / "llmaas.json").read_text())
     exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
