@@ -44,7 +44,7 @@ class Metrics:
                                    "restore time over recent restores", ["policy"], registry=r)
         self.cost_factor = Gauge(p + "restore_cost_factor", "Online correction of the profile's restore cost "
                                  "models: measured over profiled seconds of each stage (io, decode, recompute), "
-                                 "exponentially weighted over recent restores", ["policy", "stage"], registry=r)
+                                 "the median over the last 9 restores", ["policy", "stage"], registry=r)
         self.active = Gauge(p + "active_contexts", "Contexts known to the memory governor", ["policy"], registry=r)
         self.pool = Gauge(p + "kv_pool_bytes", "KV pool: resident bytes as stored, the budget, and bytes on disk",
                           ["state"], registry=r)

@@ -445,8 +445,8 @@ class OnlineCosts:
     The one-shot profile (§3.3 i) is measured once, on a quiet machine with a throwaway context; later
     the machine may be busier or quieter (a shared VM's memory bandwidth moves de-quantizing by 40 %
     from one hour to the next), the stored chunks differ from the profile's, and composing the stages
-    has overheads the formula leaves out. Two corrections, each an exponentially weighted mean of a
-    log ratio over recent restores (weight ``weight`` for the newest):
+    has overheads the formula leaves out. Two corrections, each the median of a log ratio over the
+    last ``window`` restores that measured it:
 
     * a factor per stage (T_io, T_dec, T_re): measured stage seconds over the profile's prediction
       of that stage. :meth:`profile` scales the profile by them, so *planning* follows the machine
@@ -455,26 +455,33 @@ class OnlineCosts:
       the stage-corrected prediction, for what the stage sum misses (overlap, hand-over, waits).
       :meth:`predict` applies it to the planned total; planning does not use it.
 
-    Stages measured under ``min_stage_s`` are not used (timer noise), and every log ratio is clamped
-    to ``±ln(max_factor)`` so that one pathological restore cannot wreck the model. Ray-free, no clock.
+    Why a median, not a mean: a restore now and then takes 2-4x its usual time (a context's pack
+    files paged out of the page cache, a neighbour on the VM), and a mean moved by it mispredicts the
+    next few restores the other way; the median ignores a lone outlier and still follows a lasting
+    change within ``window // 2 + 1`` restores. The profile counts as one observation of "no
+    correction" until ``window`` restores have pushed it out, so the first restore moves the estimate
+    half way. Stages measured under ``min_stage_s`` are not used (timer noise), and every log ratio is
+    clamped to ``±ln(max_factor)``. Ray-free, no clock.
     """
 
-    def __init__(self, weight: float = 0.25, *, min_stage_s: float = 2e-4, max_factor: float = 8.0) -> None:
-        if not 0 < weight <= 1:
-            raise ValueError(f"weight must be in (0, 1], got {weight!r}")
+    def __init__(self, window: int = 9, *, min_stage_s: float = 2e-4, max_factor: float = 8.0) -> None:
+        if not (isinstance(window, int) and window >= 1):
+            raise ValueError(f"window must be a whole number of restores >= 1, got {window!r}")
         if not max_factor > 1:
             raise ValueError(f"max_factor must be > 1, got {max_factor!r}")
-        self.weight = float(weight)
+        self.window = window
         self.min_stage_s = float(min_stage_s)
         self.bound = math.log(max_factor)
         self.stage_log: dict[str, float] = {s: 0.0 for s in STAGES}  # ln(measured / profile)
         self.residual_log: dict[str, float] = {}  # shape -> ln(measured / stage-corrected)
+        self._seen: dict[str, deque] = {}  # stage or "shape:" + shape -> recent clamped log ratios
         self.observed = 0  # restores observed
 
-    def _ewma(self, old: float, x: float) -> float:
-        """From no correction (0) on, the newest clamped log ratio weighs ``weight``."""
-        x = max(-self.bound, min(self.bound, x))
-        return (1 - self.weight) * old + self.weight * x
+    def _update(self, key: str, x: float) -> float:
+        """The median of ``key``'s recent clamped log ratios, ``x`` the newest."""
+        seen = self._seen.setdefault(key, deque([0.0], maxlen=self.window))
+        seen.append(max(-self.bound, min(self.bound, x)))
+        return statistics.median(seen)
 
     def factor(self, stage: str) -> float:
         """The current multiplier of ``stage``'s profile model."""
@@ -505,10 +512,9 @@ class OnlineCosts:
             p, m = predicted_stages.get(s, 0.0), measured_stages.get(s, 0.0)
             if p > 0 and m >= self.min_stage_s:
                 raw = p / self.factor(s)  # the profile's own prediction of this stage
-                self.stage_log[s] = self._ewma(self.stage_log[s], math.log(m / raw))
+                self.stage_log[s] = self._update(s, math.log(m / raw))
         if stage_corrected_s > 0 and measured_s > 0:
-            self.residual_log[shape] = self._ewma(self.residual_log.get(shape, 0.0),
-                                                  math.log(measured_s / stage_corrected_s))
+            self.residual_log[shape] = self._update("shape:" + shape, math.log(measured_s / stage_corrected_s))
         self.observed += 1
 
     def state(self) -> dict:

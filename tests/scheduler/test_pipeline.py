@@ -367,7 +367,7 @@ def test_online_costs_follow_a_slower_machine_and_replan():
 def test_online_residual_is_kept_per_restore_shape():
     from scheduler.pipeline import OnlineCosts
 
-    online = OnlineCosts(weight=0.5)
+    online = OnlineCosts(window=5)
     for _ in range(20):
         online.observe("m", {"decode": 0.01}, {"decode": 0.01}, 0.01, 0.013)  # 30 % overhead
         online.observe("ml", {"io": 0.01, "decode": 0.01}, {"io": 0.01, "decode": 0.01}, 0.02, 0.02)
@@ -380,12 +380,34 @@ def test_online_residual_is_kept_per_restore_shape():
 def test_online_costs_ignore_tiny_stages_and_clamp_outliers():
     from scheduler.pipeline import OnlineCosts
 
-    online = OnlineCosts(weight=0.25, min_stage_s=1e-3, max_factor=4.0)
+    online = OnlineCosts(window=9, min_stage_s=1e-3, max_factor=4.0)
     online.observe("r", {"recompute": 0.001}, {"recompute": 0.0005}, 0.001, 0.001)  # under the floor
     assert online.factor("recompute") == 1.0
     online.observe("r", {"recompute": 0.01}, {"recompute": 10.0}, 0.01, 10.0)  # one 1000x outlier
-    assert online.factor("recompute") == pytest.approx(4.0 ** 0.25)
-    assert online.predict("r", 0.01) == pytest.approx(0.01 * 4.0 ** 0.25)
-    for bad in ({"weight": 0}, {"weight": 1.5}, {"max_factor": 1.0}):
+    # clamped to 4x, then the median with the profile's own "no correction": half way, in logs
+    assert online.factor("recompute") == pytest.approx(2.0)
+    # the shape's residual saw one ordinary restore (the first) before the outlier: the median keeps it
+    assert online.predict("r", 0.01) == pytest.approx(0.01)
+    for bad in ({"window": 0}, {"window": 2.5}, {"max_factor": 1.0}):
         with pytest.raises(ValueError):
             OnlineCosts(**bad)
+
+
+def test_online_costs_ignore_a_lone_slow_restore_and_follow_a_lasting_change():
+    """A restore now and then 3x slower (pack files paged out) leaves the estimate where it was; a
+    change that lasts is followed within window // 2 + 1 restores."""
+    from scheduler.pipeline import OnlineCosts
+
+    online = OnlineCosts(window=9)
+
+    def steady(f: float) -> None:  # planned with the factor in force, as the governor does
+        p = 0.01 * online.factor("io")
+        online.observe("l", {"io": p}, {"io": 0.01 * f}, p, 0.01 * f)
+
+    for k in range(30):
+        steady(3.0 if k % 7 == 6 else 1.2)
+    assert online.factor("io") == pytest.approx(1.2)
+    assert online.predict("l", 0.01 * online.factor("io")) == pytest.approx(0.012)
+    for _ in range(5):  # the machine got 2x slower for good: 5 of the last 9 say so
+        steady(2.4)
+    assert online.factor("io") == pytest.approx(2.4)
