@@ -394,7 +394,7 @@ def test_online_costs_ignore_tiny_stages_and_clamp_outliers():
 
 
 def test_online_costs_ignore_a_lone_slow_restore_and_follow_a_lasting_change():
-    """A restore now and then 3x slower (pack files paged out) leaves the estimate where it was; a
+    """A restore now and then 3x slower (a slow read, a busy neighbour) leaves the estimate where it was; a
     change that lasts is followed within window // 2 + 1 restores."""
     from scheduler.pipeline import OnlineCosts
 
