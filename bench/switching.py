@@ -122,13 +122,29 @@ def outcome_dict(out) -> dict:
     return asdict(out)
 
 
+def actor_round_trip_ms(handle, n: int = 30) -> float:
+    """Median of `n` round trips of a method call that does nothing (the governor's `held_nbytes`):
+    what a hop like `begin_call` costs before any work, against a streamed ref's share of a stream."""
+    import ray
+
+    for _ in range(3):
+        ray.get(handle.held_nbytes.remote())
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        ray.get(handle.held_nbytes.remote())
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1000
+
+
 def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tmp):
     svc = open_service(policy, engine, pool_bytes, throttle, use_ray, str(Path(tmp) / policy))
-    per_ref_ms = 0.0
+    per_ref_ms = round_trip_ms = 0.0
     if use_ray:  # what one actor hop (a streamed object ref) costs, as the executor measured at start
         import ray
 
         per_ref_ms = ray.get(svc.executor.per_ref_cost.remote()) * 1000
+        round_trip_ms = actor_round_trip_ms(svc.gov)
     tok = svc.bind("bench")
     ctxs = []
     for p in prompts:
@@ -147,7 +163,8 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
         restored = bool(r["resident"] or r["loaded"] or r["recomputed"])
         # actor hops inside switch_ms on Ray: begin_call, the restore, one ref per streamed layer group
         hops = (2 + (-(-engine.model.cfg.n_layers // groups) if groups and r["loaded"] else 0)) if restored else 1
-        recs.append({"ctx": c, "e2e_ms": e2e * 1000, "per_ref_ms": per_ref_ms, "hops": hops if use_ray else 0,
+        recs.append({"ctx": c, "e2e_ms": e2e * 1000, "per_ref_ms": per_ref_ms, "round_trip_ms": round_trip_ms,
+                     "hops": hops if use_ray else 0,
                      "group_layers": groups, **{k2: out.get(k2, 0.0) for k2 in ("switch_ms", "predicted_restore_ms", "model_restore_ms")},
                      "restore_ms": r["seconds"] * 1000 if restored else 0.0,
                      **{f"restore_{k2}": v for k2, v in out["restore"].items()
@@ -184,6 +201,7 @@ def summarise(recs):
         "median_abs_ln_model_err": model_err,  # the one-shot profile alone, before online correction
         "median_abs_ln_pred_switch_err": switch_err,  # the prediction against the whole switch_ms
         "per_ref_ms": recs[0]["per_ref_ms"] if recs else 0.0,
+        "round_trip_ms": recs[0]["round_trip_ms"] if recs else 0.0,
         "mean_hops": statistics.mean(r["hops"] for r in recs) if recs else 0.0,
     }
 
@@ -222,7 +240,8 @@ def main(argv=None) -> int:
             s = results[pol]["summary"]
             print(f"{pol:>8}: mean switch {s['mean_switch_ms']:.1f} ms (median {s['median_switch_ms']:.1f}), "
                   f"{s['restores']} restores, {s['loaded_mb']:.0f} MB loaded, {s['recomputed_chunks']} chunks "
-                  f"recomputed" + (f", {s['per_ref_ms']:.2f} ms per actor hop x {s['mean_hops']:.1f} hops per call"
+                  f"recomputed" + (f", {s['per_ref_ms']:.2f} ms per actor hop x {s['mean_hops']:.1f} hops per call, "
+                                   f"{s['round_trip_ms']:.2f} ms per actor call round trip"
                                    if args.ray else "") + f" ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
@@ -255,6 +274,11 @@ def main(argv=None) -> int:
         ratios = ", ".join(f"{p} {results[p]['summary']['mean_switch_ms'] / base:.1f}x"
                            for p in results if p != "llms")
         lines += ["", f"Mean switch_ms of each baseline over `llms`: {ratios}."]
+    if args.ray:
+        hop = ", ".join(f"{p} {r['summary']['per_ref_ms']:.2f} / {r['summary']['round_trip_ms']:.2f} / "
+                        f"{r['summary']['mean_hops']:.1f}" for p, r in results.items())
+        lines += ["", "Actor hops (ms per streamed ref, measured by the executor at start / ms per actor call "
+                  f"round trip, driver to governor, median of 30 / hops per call): {hop}."]
     lines.append(END.replace("end", "end:" + mode + ":" + thr))
     text = "\n".join(lines)
     print(text)
