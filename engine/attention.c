@@ -9,7 +9,9 @@
  * probabilities are summed per key into the thread's column sums, and O = P V is computed from the
  * same tile of probabilities while it is in cache (L2 for 48 rows x 2048 keys). Nothing of size
  * n x S is ever held. Threads take items from a shared counter; each keeps its own column sums,
- * added up at the end, so the density is independent of the thread count up to rounding.
+ * added up at the end, so the density is independent of the thread count up to rounding. Built with
+ * -fopenmp the threads are the calling thread's OpenMP team (torch's own, see engine/model.py
+ * attention_kernel); otherwise POSIX threads are started per call.
  *
  * Vector code uses GCC/Clang vector extensions (8 x float32), which compile to AVX2+FMA with
  * -march=native on x86 and to pairs of NEON registers on arm64; where the compiler targets AVX-512
@@ -17,6 +19,9 @@
  * AVX-512 Xeon: 30.5 -> 26.8 ms on two threads, the same results).
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -232,6 +237,18 @@ static void run_item(job_t *jb, float *scratch, float *colsum, i64 item) {
     }
 }
 
+/* Keys j0..j0+NR-1 of KV head h into kt, the keys transposed ([D, S_pad] per head); keys at or past s
+ * (padding) are zero. The NR source rows (NR * D floats) stay in L1 while D output runs are written. */
+static void transpose_panel(float *kt, const float *k, i64 k_head, i64 d, i64 s, i64 sp, i64 h, i64 j0) {
+    const float *src = k + h * k_head + j0 * d;
+    const i64 live = s - j0 < NR ? s - j0 : NR;
+    for (i64 c = 0; c < d; c++) {
+        float *dst = kt + (h * d + c) * sp + j0;
+        for (i64 j = 0; j < live; j++) dst[j] = src[j * d + c];
+        for (i64 j = live; j < NR; j++) dst[j] = 0.0f;
+    }
+}
+
 static void *worker_main(void *arg) {
     worker_t *w = arg;
     job_t *jb = w->job;
@@ -242,6 +259,15 @@ static void *worker_main(void *arg) {
         run_item(jb, w->scratch, colsum, item);
     }
     return NULL;
+}
+
+/* 1 when this build runs its threads on OpenMP (-fopenmp), 0 when it starts POSIX threads per call. */
+int attn_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Attention of n query rows at ascending positions `pos` against keys and values 0..pos[n-1].
@@ -270,28 +296,34 @@ int attn_forward(const float *q, i64 q_stride, const i64 *pos, i64 n, const floa
         free(scratch);
         return -1;
     }
-    for (i64 h = 0; h < hkv; h++) /* keys transposed: [D, S_pad], padding columns zero */
-        for (i64 c = 0; c < d; c++) {
-            float *dst = kt + (h * d + c) * sp;
-            const float *src = k + h * k_head + c;
-            for (i64 j = 0; j < s; j++) dst[j] = src[j * d];
-            for (i64 j = s; j < sp; j++) dst[j] = 0.0f;
-        }
     job_t jb = {q, q_stride, pos, n, kt, v, v_head, sp, hkv, group, d, block, scale, out, out_stride,
                 colsum, 0, items};
     atomic_init(&jb.next, 0);
     worker_t ws[16];
-    pthread_t tids[16];
-    int started = 0;
     for (int t = 0; t < threads; t++) {
         ws[t] = (worker_t){&jb, t, scratch + per * (size_t)t};
     }
+    const i64 panels = hkv * (sp / NR); /* keys transposed NR at a time, per KV head */
+#ifdef _OPENMP
+    /* the calling thread's OpenMP team (torch's, when torch runs on the same libgomp); a smaller team
+     * than asked for (nested call, thread limit) just takes more items per thread */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (i64 p = 0; p < panels; p++) transpose_panel(kt, k, k_head, d, s, sp, p / (sp / NR), p % (sp / NR) * NR);
+        worker_main(&ws[omp_get_thread_num()]);
+    }
+#else
+    for (i64 p = 0; p < panels; p++) transpose_panel(kt, k, k_head, d, s, sp, p / (sp / NR), p % (sp / NR) * NR);
+    pthread_t tids[16];
+    int started = 0;
     for (int t = 1; t < threads; t++) {
         if (pthread_create(&tids[t], NULL, worker_main, &ws[t]) == 0) started |= 1 << t;
     }
     worker_main(&ws[0]); /* this thread works too; items left by a thread that failed to start are taken here */
     for (int t = 1; t < threads; t++)
         if (started & (1 << t)) pthread_join(tids[t], NULL);
+#endif
     if (density) {
         for (int t = 0; t < threads; t++) {
             const float *cs = colsum + (size_t)t * sp;

@@ -52,16 +52,44 @@ MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alon
 _ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
 
 
+def torch_uses_gnu_openmp() -> bool:
+    """Whether this torch runs its CPU threads on GNU OpenMP (libgomp), as the Linux pip wheels do."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return False
+
+
+def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the C signatures of a loaded engine/attention.c."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.attn_forward.argtypes = (ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float,
+                                 ptr, i64, ptr, ctypes.c_int)
+    lib.attn_forward.restype = ctypes.c_int
+    lib.attn_openmp.argtypes = ()
+    lib.attn_openmp.restype = ctypes.c_int
+    return lib
+
+
 def attention_kernel():
-    """The compiled attention kernel with its signature declared, or None (off, or no compiler)."""
+    """The compiled attention kernel with its signature declared, or None (off, or no compiler).
+
+    Where torch runs on GNU OpenMP the kernel is built with -fopenmp, so its threads are torch's own
+    team (the loader maps the one libgomp.so.1 already loaded). With threads of its own, the kernel
+    shared the 2 cores with torch's team, whose threads spin for a while after every torch op: one
+    layer's attention inside a 512-token prefill took 3.3 ms against 1.7 ms on torch's team
+    (docs/benchmarks.md, "Engine speed", session 17). Elsewhere, or when -fopenmp does not build, the
+    kernel starts POSIX threads per call."""
     if not _ATTENTION:
-        lib = native.load("attention", Path(__file__).with_name("attention.c"), native.FAST_FLAGS)
-        if lib is not None:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.attn_forward.argtypes = (ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float,
-                                         ptr, i64, ptr, ctypes.c_int)
-            lib.attn_forward.restype = ctypes.c_int
-        _ATTENTION.append(lib)
+        source = Path(__file__).with_name("attention.c")
+        if torch_uses_gnu_openmp():
+            lib = native.load("attention", source, native.OPENMP_FLAGS, fallback_flags=native.FAST_FLAGS)
+        else:
+            lib = native.load("attention", source, native.FAST_FLAGS)
+        _ATTENTION.append(declare_attention(lib) if lib is not None else None)
     return _ATTENTION[0]
 
 

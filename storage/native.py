@@ -39,6 +39,9 @@ ENV_SWITCH = "LLMAAS_NATIVE"  # "0" turns the native kernels off (the numpy/torc
 EXACT_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
 #: kernels judged by tolerance (attention): fused multiply-add allowed, threads
 FAST_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-std=c11", "-pthread", "-shared", "-fPIC")
+#: FAST_FLAGS with OpenMP: the library's threads come from the process's OpenMP runtime (for a torch
+#: built with GNU OpenMP, the already loaded libgomp.so.1 and its thread team)
+OPENMP_FLAGS = FAST_FLAGS + ("-fopenmp",)
 BUILD_TIMEOUT_S = 120.0
 
 _lock = threading.Lock()
@@ -107,9 +110,12 @@ def build(name: str, source: Path, cc: str, flags: tuple[str, ...] = EXACT_FLAGS
     return target
 
 
-def load(name: str, source: Path | None = None, flags: tuple[str, ...] = EXACT_FLAGS) -> ctypes.CDLL | None:
+def load(name: str, source: Path | None = None, flags: tuple[str, ...] = EXACT_FLAGS,
+         fallback_flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
     """The compiled library ``name`` (from ``source``, default ``storage/<name>.c``), or None when native
-    kernels are off or cannot be built here (a warning says why, once per process). Built on first use."""
+    kernels are off or cannot be built here (a warning says why, once per process). Built on first use.
+    When the build with ``flags`` fails and ``fallback_flags`` is given, that build is tried quietly
+    (e.g. without ``-fopenmp`` where the compiler has no OpenMP runtime)."""
     if not enabled():
         return None
     with _lock:
@@ -121,7 +127,12 @@ def load(name: str, source: Path | None = None, flags: tuple[str, ...] = EXACT_F
         try:
             if cc is None:
                 raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)")
-            lib = ctypes.CDLL(str(build(name, source, cc, flags)))
+            try:
+                lib = ctypes.CDLL(str(build(name, source, cc, flags)))
+            except Exception:
+                if fallback_flags is None:
+                    raise
+                lib = ctypes.CDLL(str(build(name, source, cc, fallback_flags)))
         except Exception as e:  # any failure leaves the numpy/torch paths in place
             warnings.warn(f"llmaas: native kernels {name!r} unavailable, using the slower numpy/torch path "
                           f"({e}); set {ENV_SWITCH}=0 to skip the build", RuntimeWarning, stacklevel=2)

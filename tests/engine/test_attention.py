@@ -63,14 +63,28 @@ def test_blockwise_attention_matches_full_matrix(engine, pos):
     ids=["prefill", "after-cache", "scattered", "ragged"],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_attention_matches_full_matrix(engine, pos, threads):
+@pytest.mark.parametrize("build", ["default", "pthreads"])
+def test_native_attention_matches_full_matrix(engine, pos, threads, build, monkeypatch):
     """engine/attention.c against the naive reference: output and density column sums, on one thread
-    and on two (each thread keeps its own column sums)."""
-    from engine.model import attention_kernel
+    and on two (each thread keeps its own column sums), in the build the engine loads (OpenMP on
+    torch's team here) and in the POSIX-threads build used where -fopenmp is not available."""
+    import ctypes
+    from pathlib import Path
+
+    import engine.model as em
+    from storage import native
 
     model = engine.model
     cfg = model.cfg
-    assert attention_kernel() is not None, "engine/attention.c did not build here (see the RuntimeWarning)"
+    lib = em.attention_kernel()
+    assert lib is not None, "engine/attention.c did not build here (see the RuntimeWarning)"
+    if build == "default":
+        assert lib.attn_openmp() == int(em.torch_uses_gnu_openmp())
+    else:
+        source = Path(em.__file__).with_name("attention.c")
+        lib = em.declare_attention(ctypes.CDLL(str(native.build("attention", source, native._compiler(), native.FAST_FLAGS))))
+        assert lib.attn_openmp() == 0
+        monkeypatch.setattr(em, "_ATTENTION", [lib])
     gen = torch.Generator().manual_seed(1)
     cache = model.new_cache(320)
     cache.reserve(300)

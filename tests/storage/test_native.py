@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,6 +134,25 @@ def test_missing_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
         enc = C.encode(x, "q8")  # the numpy/torch path
         assert_within_quant_bound(x, enc, C.decode(enc))
     assert not (tmp_path / "kernels").exists() or not os.listdir(tmp_path / "kernels")
+
+
+def test_failed_build_falls_back_to_other_flags_quietly(monkeypatch, tmp_path):
+    """A build whose flags the compiler rejects (as -fopenmp without an OpenMP runtime) gives way to the
+    fallback flags without a warning; with no fallback it warns and returns None."""
+    if native._compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("LLMAAS_CACHE_DIR", str(tmp_path))
+    bad = native.EXACT_FLAGS + ("-fno-such-option-here",)
+    monkeypatch.setattr(native, "_loaded", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lib = native.load("kvquant", flags=bad, fallback_flags=native.EXACT_FLAGS)
+    assert lib is not None and hasattr(lib, "kvq_minmax")
+    source = Path(native.__file__).with_name("kvquant.c")
+    assert os.listdir(tmp_path / "kernels") == [native.library_path("kvquant", source, native._compiler()).name]
+    monkeypatch.setattr(native, "_loaded", {})
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        assert native.load("kvquant", flags=bad) is None
 
 
 def test_switched_off_by_environment(monkeypatch):
