@@ -15,10 +15,9 @@ loaded. The engine knows nothing about tokenization, chat templates, files or Ra
 
 Attention of 16 or more rows on the CPU in float32 runs in the compiled kernel of `engine/attention.c`
 (built at first use by `storage.native`; one fused pass per block of rows: scores, softmax, density
-column sums, P V, with blocks sized for the caches): per layer it is a little faster than torch's
-fused SDPA without density, and it brings the engine's prefill with density level with transformers'
-SDPA prefill on the 2-core test machines, where the torch kernel trails it (docs/benchmarks.md,
-"Engine speed").
+column sums, P V, with blocks sized for the caches, on torch's own OpenMP threads): with it the
+engine's prefill with density runs 1.08-1.13x transformers' SDPA prefill at 512 and 2048 tokens on the
+2-core Xeon test machine, where the torch kernel runs 0.96-1.03x (docs/benchmarks.md, "Engine speed").
 Elsewhere (decode rows, CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
 kernel `_attend` runs; both are tested against a naive full-matrix reference.
 """
