@@ -33,6 +33,7 @@ from actors.recompute import RecomputeWorker, RestoreRequest, RestoreStats, shar
 from actors.service import ServiceConfig, drain
 from actors.swapio import KVSwapIO, layer_groups
 from engine.threads import single_threaded_torch
+from scheduler.pipeline import HandoverCost, layer_group_size
 from storage import codecs
 
 NAMESPACE = "llmaas"
@@ -286,9 +287,10 @@ class _RegistryProxy:
 
 class RayRestorer:
     """A restore on Ray. With recompute planned, the recompute worker does it, consuming the IO worker's
-    stream of layer groups, sized per restore so that handing a group over (one object ref, measured
-    at start) costs under a tenth of reading it (scheduler.pipeline.layer_group_size), at the read
-    rate last observed. Without, this executor does it (`_restore_here`)."""
+    stream of layer groups, sized per restore so that handing a group over (one object ref) costs
+    under a tenth of reading it (scheduler.pipeline.layer_group_size), at the read rate last observed
+    and the hand-over cost observed in recent restores (`HandoverCost`; never below the cost measured
+    at start). Without, this executor does it (`_restore_here`)."""
 
     def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
                  read_rate, io, held: dict, views: dict, threads: int = 2) -> None:
@@ -300,6 +302,7 @@ class RayRestorer:
         self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
         self.shm_name, self.capacity = shm_name, capacity
         self.per_ref_s = per_ref_s
+        self.handover = HandoverCost(per_ref_s)  # what a hand-over costs during restores, >= the idle figure
         self.read_rate = read_rate
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
@@ -308,18 +311,15 @@ class RayRestorer:
         return sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
 
     def group_size(self, plan) -> int:
-        from scheduler.pipeline import layer_group_size
-
         if not plan.recompute:  # nothing to overlap the reads with: one group, one hand-over
             return self.cfg.n_layers
-        return layer_group_size(self.cfg.n_layers, self.per_ref_s, self.read_rate.s_per_byte, self._load_nbytes(plan))
+        return layer_group_size(self.cfg.n_layers, self.handover.seconds, self.read_rate.s_per_byte,
+                                self._load_nbytes(plan))
 
     def batch_size(self, plan) -> int:
         """Loaded chunks per streamed batch of `_restore_here`: the rule of `group_size`, over chunks."""
-        from scheduler.pipeline import layer_group_size
-
         n = len(plan.load)
-        return layer_group_size(n, self.per_ref_s, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
+        return layer_group_size(n, self.handover.seconds, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
 
     def restore(self, ws, plan):
         lost = [i for i, _level, key in plan.resident if key not in self.held]
@@ -346,8 +346,11 @@ class RayRestorer:
         res = RestoreStats(resident=len(keys))
         events = res.timeline
         decode = lambda i, enc: self.pool.submit(decode_timed, ws, kv, i, enc, events)  # noqa: E731
-        jobs = [decode(i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
         loads = [i for i, _, _ in plan.load]
+        # ask for the reads before the decode threads take both cores: the IO worker's request (and the
+        # worker itself, which requests no CPU) would otherwise wait behind them
+        stream = self.io.read_batches.remote(plan.ctx, loads, self.batch_size(plan)) if loads else None
+        jobs = [decode(i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
         got: set[int] = set()
         try:
             if loads:
@@ -360,8 +363,7 @@ class RayRestorer:
                     events.append(("read", k, a, b))
 
                 try:
-                    for ref in self.io.read_batches.remote(plan.ctx, loads, self.batch_size(plan)):
-                        batch = ray.get(ref)
+                    for batch in received(stream, events):
                         take(batch.chunks, batch.failed, batch.read_start, batch.read_end, batch.index)
                 except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
                     # the IO worker stopped mid-stream: ask the restarted one for the rest
@@ -387,10 +389,29 @@ class RayRestorer:
         reads = [(a, b) for what, _g, a, b in res.timeline if what == "read"]
         if reads and res.loaded_bytes:
             self.read_rate.observe(sum(b - a for a, b in reads), res.loaded_bytes)
+        for what, _g, a, b in res.timeline:
+            if what == "handover":
+                self.handover.observe(b - a)
         res.timeline.append(("group_layers", size, 0.0, 0.0))
         ws.missing = set()
         plan.recompute = sorted(set(plan.recompute) | set(res.failed) | {i for i, _, _ in plan.load})
         return res, []  # loaded chunks are re-encoded from the working set after the call
+
+
+def received(refs, events: list):
+    """The objects of a stream of refs (a streaming generator), each fetched as it comes; adds a
+    ("handover", index, ready, got) event per object: from when both it was read (its `read_end`)
+    and this consumer was waiting for it, to when the consumer had it (one host: one monotonic clock)."""
+    it = iter(refs)
+    while True:
+        waiting = time.monotonic()
+        try:
+            ref = next(it)
+        except StopIteration:
+            return
+        obj = ray.get(ref)
+        events.append(("handover", obj.index, max(waiting, obj.read_end), time.monotonic()))
+        yield obj
 
 
 def per_ref_seconds(io_handle, n: int = 32) -> float:

@@ -129,9 +129,16 @@ def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable,
         res.timeline.append(("resident", -1, t, time.monotonic()))
     job = model.recompute_start(ws, req.token_ids, req.recompute) if req.recompute else None
     if req.load:
-        for grp in stream:
+        groups = iter(stream)
+        while True:
+            waiting = time.monotonic()
+            grp = next(groups, None)
+            if grp is None:
+                break
             t = time.monotonic()
             res.timeline.append(("read", grp.index, grp.read_start, grp.read_end))
+            # from when the group was read and this consumer waited for it, to when it had it
+            res.timeline.append(("handover", grp.index, max(waiting, grp.read_end), t))
             a, b = grp.layers.start, grp.layers.stop
             for i, enc in grp.chunks.items():
                 s, e = ws.chunk_range(i)
