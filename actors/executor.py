@@ -74,6 +74,19 @@ class CallTimeoutError(TimeoutError):
     code = "timeout"
 
 
+STREAM_MIN_BYTES = 48 << 20
+"""A restore that de-quantizes at least this many bytes of K/V writes them with non-temporal stores
+(`codecs.decode(..., stream=True)`). On the 2-core Xeon test VM a write-then-read of 48 MB took 6.5 ms
+that way against 7.5 ms with ordinary stores, of 32 MB 5.2 against 4.6 (the caches still help), and
+a 74 MB restore's de-quantizing 4.2 against 8.2 ms (docs/benchmarks.md, "Context switching", session 17)."""
+
+
+def streams(ws: KVCache, n_chunks: int) -> bool:
+    """Whether de-quantizing `n_chunks` chunks into `ws` is large enough for non-temporal stores."""
+    per_chunk = ws.nbytes() // ws.capacity * ws.chunk_tokens
+    return ws.device.type == "cpu" and n_chunks * per_chunk >= STREAM_MIN_BYTES
+
+
 class InProcessRestorer:
     """Restore in the executor's own process: decode resident chunks, read and decode loaded ones,
     recompute the rest through all layers. The baseline the actor pipeline is compared against.
@@ -102,11 +115,13 @@ class InProcessRestorer:
         kv = ws.kv.numpy() if ws.device.type == "cpu" else None
         events = stats.timeline
 
+        stream = streams(ws, len(plan.resident) + len(plan.load))
+
         def submit(i: int, enc: codecs.EncodedChunk):
             if self.pool is None or kv is None:  # off the CPU the device's own queue orders the copies
                 decode_timed(ws, kv, i, enc, events)
                 return None
-            return self.pool.submit(decode_timed, ws, kv, i, enc, events)
+            return self.pool.submit(decode_timed, ws, kv, i, enc, events, stream)
 
         jobs = [submit(i, self.resolve(handle)) for i, _level, handle in plan.resident]
         stats.resident += len(plan.resident)
@@ -175,18 +190,20 @@ class InProcessRestorer:
         return res
 
 
-def decode_timed(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk, events: list) -> None:
+def decode_timed(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk, events: list,
+                 stream: bool = False) -> None:
     """De-quantize chunk `i` into the working set (`kv`: its numpy view on the CPU, else None) and
-    add its ("decode", i, start, end) event to `events` (safe from several threads)."""
+    add its ("decode", i, start, end) event to `events` (safe from several threads). `stream`: see
+    `streams`."""
     a = time.monotonic()
-    _decode_into(ws, kv, i, enc)
+    _decode_into(ws, kv, i, enc, stream)
     events.append(("decode", i, a, time.monotonic()))  # list.append is atomic under the GIL
 
 
-def _decode_into(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk) -> None:
+def _decode_into(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk, stream: bool = False) -> None:
     s, e = ws.chunk_range(i)
     if kv is not None:
-        codecs.decode(enc, out=kv[:, :, :, s:e])
+        codecs.decode(enc, out=kv[:, :, :, s:e], stream=stream)
     else:
         ws.put_chunk(i, codecs.decode(enc))
     ws.missing.discard(i)  # set.discard is atomic under the GIL

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import ray
 
-from actors.executor import decode_timed
+from actors.executor import decode_timed, streams
 from actors.recompute import RecomputeWorker, RestoreRequest, RestoreStats, shared_working_set
 from actors.service import ServiceConfig, drain
 from actors.swapio import KVSwapIO, layer_groups
@@ -345,11 +345,12 @@ class RayRestorer:
         kv = ws.kv.numpy()
         res = RestoreStats(resident=len(keys))
         events = res.timeline
-        decode = lambda i, enc: self.pool.submit(decode_timed, ws, kv, i, enc, events)  # noqa: E731
+        stream = streams(ws, len(keys) + len(plan.load))
+        decode = lambda i, enc: self.pool.submit(decode_timed, ws, kv, i, enc, events, stream)  # noqa: E731
         loads = [i for i, _, _ in plan.load]
         # ask for the reads before the decode threads take both cores: the IO worker's request (and the
         # worker itself, which requests no CPU) would otherwise wait behind them
-        stream = self.io.read_batches.remote(plan.ctx, loads, self.batch_size(plan)) if loads else None
+        batches = self.io.read_batches.remote(plan.ctx, loads, self.batch_size(plan)) if loads else None
         jobs = [decode(i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
         got: set[int] = set()
         try:
@@ -363,7 +364,7 @@ class RayRestorer:
                     events.append(("read", k, a, b))
 
                 try:
-                    for batch in received(stream, events):
+                    for batch in received(batches, events):
                         take(batch.chunks, batch.failed, batch.read_start, batch.read_end, batch.index)
                 except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
                     # the IO worker stopped mid-stream: ask the restarted one for the rest

@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -206,15 +206,55 @@ int kvq_encode_f16(const float *x, i64 nl, i64 h, i64 t, i64 d, i64 s_l, i64 s_k
 }
 #endif
 
+/* One output row of D values, (q * s) + z as the scalar loop computes it (a separate multiply and add,
+ * exact int -> float), written with non-temporal stores: past the caches, without first reading the
+ * destination lines in (NT_W floats a store; `o` aligned to NT_W floats, d a multiple of NT_W). */
+#if defined(__AVX512F__)
+#define NT_W 16
+static inline void nt_row(float *o, const uint8_t *src, int shift, uint32_t mask, const float *sc,
+                          const float *zc, i64 d) {
+    const __m512i m = _mm512_set1_epi32((int)mask);
+    const __m128i sh = _mm_cvtsi32_si128(shift);
+    for (i64 i = 0; i < d; i += 16) {
+        __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        w = _mm512_and_si512(_mm512_srl_epi32(w, sh), m);
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_loadu_ps(sc + i));
+        _mm512_stream_ps(o + i, _mm512_add_ps(v, _mm512_loadu_ps(zc + i)));
+    }
+}
+#elif defined(__AVX2__)
+#define NT_W 8
+static inline void nt_row(float *o, const uint8_t *src, int shift, uint32_t mask, const float *sc,
+                          const float *zc, i64 d) {
+    const __m256i m = _mm256_set1_epi32((int)mask);
+    const __m128i sh = _mm_cvtsi32_si128(shift);
+    for (i64 i = 0; i < d; i += 8) {
+        __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)));
+        w = _mm256_and_si256(_mm256_srl_epi32(w, sh), m);
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_loadu_ps(sc + i));
+        _mm256_stream_ps(o + i, _mm256_add_ps(v, _mm256_loadu_ps(zc + i)));
+    }
+}
+#endif
+
 /* De-quantize records [L, rec] (parameters first, fp16 or fp32) into out [L, 2, H, T, D] float32:
- * out = (q * s) + z. Returns 0, or -1 if a layer's parameters do not fit in memory. */
+ * out = (q * s) + z. With `stream` (and AVX2 or AVX-512, out and its strides aligned to a vector)
+ * the values are written with non-temporal stores: the same values, for an output much larger than
+ * the caches (a whole context into the working set), where it halves the memory traffic.
+ * Returns 0, or -1 if a layer's parameters do not fit in memory. */
 int kvq_dequantize(const uint8_t *payload, i64 rec, i64 nl, i64 h, i64 t, i64 d, int bits, int f32params,
-                   float *out, i64 s_l, i64 s_kv, i64 s_h, i64 s_t) {
+                   float *out, i64 s_l, i64 s_kv, i64 s_h, i64 s_t, int stream) {
     const i64 c = 2 * h * d;
     const i64 g = 8 / bits;
     const i64 tg = t / g;
     const i64 p_nbytes = 2 * c * (f32params ? 4 : 2);
     const uint32_t mask = (1u << bits) - 1u;
+#ifdef NT_W
+    const int nt = stream && d % NT_W == 0 && (uintptr_t)out % (NT_W * sizeof(float)) == 0 &&
+                   s_l % NT_W == 0 && s_kv % NT_W == 0 && s_h % NT_W == 0 && s_t % NT_W == 0;
+#else
+    (void)stream;
+#endif
     float stack[2 * 2048];
     float *z = 2 * c <= 2 * 2048 ? stack : malloc((size_t)(2 * c) * sizeof(float));
     if (z == NULL) return -1;
@@ -232,6 +272,12 @@ int kvq_dequantize(const uint8_t *payload, i64 rec, i64 nl, i64 h, i64 t, i64 d,
                     const uint8_t *src = packed + (tt % tg) * c + ch;
                     const int shift = (int)((tt / tg) * bits);
                     float *o = dst + tt * s_t;
+#ifdef NT_W
+                    if (nt) {
+                        nt_row(o, src, shift, mask, sc, zc, d);
+                        continue;
+                    }
+#endif
                     if (bits == 8) {
                         for (i64 i = 0; i < d; i++) {
                             float v = (float)src[i] * sc[i];
@@ -247,6 +293,9 @@ int kvq_dequantize(const uint8_t *payload, i64 rec, i64 nl, i64 h, i64 t, i64 d,
             }
         }
     }
+#ifdef NT_W
+    if (nt) _mm_sfence(); /* the non-temporal stores are visible before the caller hands `out` on */
+#endif
     if (z != stack) free(z);
     return 0;
 }
