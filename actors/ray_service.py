@@ -29,7 +29,7 @@ from pathlib import Path
 import ray
 
 from actors.executor import decode_timed, streams
-from actors.recompute import RecomputeWorker, RestoreRequest, RestoreStats, shared_working_set
+from actors.recompute import RecomputeWorker, RestoreRequest, RestoreStats, handed_over, shared_working_set
 from actors.service import ServiceConfig, drain
 from actors.swapio import KVSwapIO, layer_groups
 from engine.threads import single_threaded_torch
@@ -364,7 +364,7 @@ class RayRestorer:
                     events.append(("read", k, a, b))
 
                 try:
-                    for batch in received(batches, events):
+                    for batch in handed_over((ray.get(ref) for ref in batches), events):
                         take(batch.chunks, batch.failed, batch.read_start, batch.read_end, batch.index)
                 except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
                     # the IO worker stopped mid-stream: ask the restarted one for the rest
@@ -397,22 +397,6 @@ class RayRestorer:
         ws.missing = set()
         plan.recompute = sorted(set(plan.recompute) | set(res.failed) | {i for i, _, _ in plan.load})
         return res, []  # loaded chunks are re-encoded from the working set after the call
-
-
-def received(refs, events: list):
-    """The objects of a stream of refs (a streaming generator), each fetched as it comes; adds a
-    ("handover", index, ready, got) event per object: from when both it was read (its `read_end`)
-    and this consumer was waiting for it, to when the consumer had it (one host: one monotonic clock)."""
-    it = iter(refs)
-    while True:
-        waiting = time.monotonic()
-        try:
-            ref = next(it)
-        except StopIteration:
-            return
-        obj = ray.get(ref)
-        events.append(("handover", obj.index, max(waiting, obj.read_end), time.monotonic()))
-        yield obj
 
 
 def per_ref_seconds(io_handle, n: int = 32) -> float:

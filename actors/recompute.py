@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -109,6 +109,21 @@ def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool)
     return shm, torch.from_numpy(arr)
 
 
+def handed_over(items: Iterable, events: list) -> Iterator:
+    """`items` (layer groups or chunk batches: each has `index` and `read_end`) as they come, adding a
+    ("handover", index, ready, got) event for each to `events`: from when both it was read and this
+    consumer was waiting for it, to when the consumer had it (one host: one monotonic clock, across
+    processes too). What a hand-over costs, for `scheduler.pipeline.HandoverCost`."""
+    it = iter(items)
+    while True:
+        waiting = time.monotonic()
+        item = next(it, None)
+        if item is None:
+            return
+        events.append(("handover", item.index, max(waiting, item.read_end), time.monotonic()))
+        yield item
+
+
 def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable, resolve: Callable[[list], list]) -> RestoreStats:
     """Fill `ws` for `req`: decode resident chunks, decode each streamed layer group of the loaded
     chunks and recompute the same layers of the planned chunks right after."""
@@ -129,16 +144,9 @@ def pipelined_restore(model, ws: KVCache, req: RestoreRequest, stream: Iterable,
         res.timeline.append(("resident", -1, t, time.monotonic()))
     job = model.recompute_start(ws, req.token_ids, req.recompute) if req.recompute else None
     if req.load:
-        groups = iter(stream)
-        while True:
-            waiting = time.monotonic()
-            grp = next(groups, None)
-            if grp is None:
-                break
+        for grp in handed_over(stream, res.timeline):
             t = time.monotonic()
             res.timeline.append(("read", grp.index, grp.read_start, grp.read_end))
-            # from when the group was read and this consumer waited for it, to when it had it
-            res.timeline.append(("handover", grp.index, max(waiting, grp.read_end), t))
             a, b = grp.layers.start, grp.layers.stop
             for i, enc in grp.chunks.items():
                 s, e = ws.chunk_range(i)

@@ -498,11 +498,9 @@ class OnlineCosts:
     """
 
     def __init__(self, window: int = 9, *, min_stage_s: float = 2e-4, max_factor: float = 8.0) -> None:
-        if not (isinstance(window, int) and window >= 1):
-            raise ValueError(f"window must be a whole number of restores >= 1, got {window!r}")
         if not max_factor > 1:
             raise ValueError(f"max_factor must be > 1, got {max_factor!r}")
-        self.window = window
+        self.window = count("window", window, 1)
         self.min_stage_s = float(min_stage_s)
         self.bound = math.log(max_factor)
         self.stage_log: dict[str, float] = {s: 0.0 for s in STAGES}  # ln(measured / profile)
