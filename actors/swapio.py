@@ -152,6 +152,14 @@ class KVSwapIO:
         for i in range(n):
             yield i
 
+    def ping_payload(self, nbytes: int) -> Iterator[tuple[float, Any]]:
+        """One item carrying `nbytes` of payload, as (time.monotonic() when it was ready, payload):
+        what handing over a batch of that size costs (the consumer times it from the stamp)."""
+        import numpy as np
+
+        payload = np.ones(nbytes, np.uint8)  # its pages touched before the stamp
+        yield time.monotonic(), payload
+
     def delete(self, ctx: str, index: int) -> None:
         self.store.delete(ctx, index)
 

@@ -137,14 +137,42 @@ def actor_round_trip_ms(handle, n: int = 30) -> float:
     return statistics.median(ts) * 1000
 
 
+PAYLOAD_SIZES = (256 << 10, 4 << 20)
+"""Bytes of the two idle hand-overs that `idle_handover_ms` fits its line through."""
+
+
+def idle_handover_ms(io, n: int = 15) -> tuple[float, float]:
+    """An idle streamed item's hand-over, from when the IO worker had it to when this process has it,
+    as a line through the medians of `n` items each of `PAYLOAD_SIZES`: (ms, ms per MB). A restore's
+    hand-overs are priced with it by the bytes they carry (a streamed ref's cost alone, `per_ref`,
+    leaves out the payload: 2 MB took ~2.3 ms here, a tiny item ~0.25 ms)."""
+    import ray
+
+    med = []
+    for nbytes in PAYLOAD_SIZES:
+        ts = []
+        for k in range(n + 2):
+            for ref in io.ping_payload.remote(nbytes):
+                ready, payload = ray.get(ref)
+                got = time.monotonic()
+            del payload
+            if k >= 2:  # the first ones map the object store's pages
+                ts.append(got - ready)
+        med.append(statistics.median(ts) * 1000)
+    (x0, x1), (y0, y1) = PAYLOAD_SIZES, med
+    per_mb = max(0.0, (y1 - y0) / ((x1 - x0) / 1e6))
+    return max(0.0, y0 - per_mb * x0 / 1e6), per_mb
+
+
 def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tmp):
     svc = open_service(policy, engine, pool_bytes, throttle, use_ray, str(Path(tmp) / policy))
-    per_ref_ms = round_trip_ms = 0.0
+    per_ref_ms = round_trip_ms = ho_ms = ho_ms_per_mb = 0.0
     if use_ray:  # what one actor hop (a streamed object ref) costs, as the executor measured at start
         import ray
 
         per_ref_ms = ray.get(svc.executor.per_ref_cost.remote()) * 1000
         round_trip_ms = actor_round_trip_ms(svc.gov)
+        ho_ms, ho_ms_per_mb = idle_handover_ms(svc.io)
     tok = svc.bind("bench")
     ctxs = []
     for p in prompts:
@@ -164,9 +192,14 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
         # actor hops inside switch_ms on Ray: begin_call, the recompute worker's restore call when it
         # recomputes, one hand-over per streamed group or batch (each timed where it was consumed)
         handovers = [(b - a) * 1000 for what, _k, a, b in r["timeline"] if what == "handover"]
-        hops = 1 + (1 if r["recomputed"] else 0) + len(handovers)
+        calls = 1 + (1 if r["recomputed"] else 0)
+        hops = calls + len(handovers)
+        # every hop at its idle price: the calls' round trips, each hand-over by the bytes it carried
+        idle_hops_ms = calls * round_trip_ms + len(handovers) * ho_ms + ho_ms_per_mb * r["loaded_bytes"] / 1e6 \
+            if handovers else calls * round_trip_ms
         recs.append({"ctx": c, "e2e_ms": e2e * 1000, "per_ref_ms": per_ref_ms, "round_trip_ms": round_trip_ms,
                      "hops": hops if use_ray else 0, "handover_ms": handovers if use_ray else [],
+                     "idle_handover": [ho_ms, ho_ms_per_mb], "idle_hops_ms": idle_hops_ms if use_ray else 0.0,
                      "group_layers": groups, **{k2: out.get(k2, 0.0) for k2 in ("switch_ms", "predicted_restore_ms", "model_restore_ms")},
                      "restore_ms": r["seconds"] * 1000 if restored else 0.0,
                      **{f"restore_{k2}": v for k2, v in out["restore"].items()
@@ -206,6 +239,8 @@ def summarise(recs):
         "round_trip_ms": recs[0]["round_trip_ms"] if recs else 0.0,
         "handover_ms": statistics.median(h) if (h := [x for r in recs for x in r["handover_ms"]]) else 0.0,
         "mean_hops": statistics.mean(r["hops"] for r in recs) if recs else 0.0,
+        "idle_handover": recs[0]["idle_handover"] if recs else [0.0, 0.0],
+        "mean_idle_hops_ms": statistics.mean(r["idle_hops_ms"] for r in recs) if recs else 0.0,
     }
 
 
@@ -245,7 +280,8 @@ def main(argv=None) -> int:
                   f"{s['restores']} restores, {s['loaded_mb']:.0f} MB loaded, {s['recomputed_chunks']} chunks "
                   f"recomputed" + (f", {s['per_ref_ms']:.2f} ms per actor hop x {s['mean_hops']:.1f} hops per call, "
                                    f"{s['handover_ms']:.2f} ms per hand-over during restores, "
-                                   f"{s['round_trip_ms']:.2f} ms per actor call round trip"
+                                   f"{s['round_trip_ms']:.2f} ms per actor call round trip, "
+                                   f"{s['mean_idle_hops_ms']:.2f} ms of hops per call at idle prices with their payload"
                                    if args.ray else "") + f" ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
@@ -285,6 +321,11 @@ def main(argv=None) -> int:
         lines += ["", "Actor hops (ms per streamed ref, measured by the executor at start on an idle machine / "
                   "ms per hand-over of a streamed group or batch during restores, median / ms per actor call "
                   f"round trip, driver to governor, median of 30 / hops per call): {hop}."]
+        idle = ", ".join(f"{p} {r['summary']['idle_handover'][0]:.2f} + {r['summary']['idle_handover'][1]:.2f} / "
+                         f"{r['summary']['mean_idle_hops_ms']:.2f}" for p, r in results.items())
+        lines += ["", "Hops at idle prices with their payload (a streamed item's hand-over on an idle machine, "
+                  "ms + ms per MB, fitted through items of 256 KB and 4 MB / per call: each call's round trip "
+                  f"plus each hand-over by the bytes it carried, mean ms): {idle}."]
     lines.append(END.replace("end", "end:" + mode + ":" + thr))
     text = "\n".join(lines)
     print(text)

@@ -34,3 +34,15 @@ def test_read_batches_yields_every_chunk_once_in_order_and_reports_bad_files(tmp
     assert io.bytes_read == sum(encs[i].nbytes for i in got)
     with pytest.raises(ValueError):
         next(io.read_batches(KEY, [0], 0))
+
+
+def test_ping_payload_yields_one_stamped_item_of_the_size_asked(tmp_path):
+    import time
+
+    io = KVSwapIO(str(tmp_path), "fp-test")
+    before = time.monotonic()
+    items = list(io.ping_payload(3000))
+    assert len(items) == 1
+    stamp, payload = items[0]
+    assert before <= stamp <= time.monotonic()
+    assert payload.nbytes == 3000 and payload.dtype == np.uint8 and payload.all()
