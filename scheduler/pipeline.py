@@ -492,14 +492,14 @@ class OnlineCosts:
     neighbour on a shared VM does the same to de-quantizing), and a mean moved by it mispredicts the
     next few restores the other way; the median ignores a lone outlier and still follows a lasting
     change within ``window // 2 + 1`` restores. Why 25 restores: the slow ones come in spells (7 of
-    18 restores in a row in one run), which moved a median of 9 and made it mispredict the usual
-    restores between them by 2x; a median of 25 rides out a spell of up to 12. Paired on the same
-    restores (`bench.online_window`: three 100-call runs, five policies, 57 restores each, session 18),
-    the median |ln(measured / predicted)| was at most 0.202 with 25 against up to 0.268 with 9
-    (`swap`), lower in 10 of 14 pairs and higher by at most 0.02 in the others. The profile counts as one observation of "no
-    correction" until ``window`` restores have pushed it out, so the first restore moves the estimate
-    half way. Stages measured under ``min_stage_s`` are not used (timer noise), and every log ratio is
-    clamped to ``±ln(max_factor)``. Ray-free, no clock.
+    18 consecutive restores in one run), which moved a median of 9 and made it mispredict the usual
+    restores among them by 2x; a median of 25 rides out up to 12 slow ones. Paired on the same
+    restores (`bench.online_window`: three 100-call runs, five policies, 57 restores each, session
+    18), the median |ln(measured / predicted)| was at most 0.202 with 25 against up to 0.268 with 9
+    (`swap`), lower in 10 of 14 pairs and higher by at most 0.02 in the others. The profile counts
+    as one observation of "no correction" until ``window`` restores have pushed it out, so the first
+    restore moves the estimate half way. Stages measured under ``min_stage_s`` are not used (timer
+    noise), and every log ratio is clamped to ``±ln(max_factor)``. Ray-free, no clock.
     """
 
     def __init__(self, window: int = 25, *, min_stage_s: float = 2e-4, max_factor: float = 8.0) -> None:
