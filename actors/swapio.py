@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from storage.chunkfile import ChunkStore, ChunkStoreConfig
 from storage.codecs import EncodedChunk
 from storage.errors import StorageError
@@ -155,8 +157,6 @@ class KVSwapIO:
     def ping_payload(self, nbytes: int) -> Iterator[tuple[float, Any]]:
         """One item carrying `nbytes` of payload, as (time.monotonic() when it was ready, payload):
         what handing over a batch of that size costs (the consumer times it from the stamp)."""
-        import numpy as np
-
         payload = np.ones(nbytes, np.uint8)  # its pages touched before the stamp
         yield time.monotonic(), payload
 

@@ -337,7 +337,9 @@ class _Codec:
         """kv [L,2,H,T,D] -> (uint8 [L, record_nbytes], params dtype name)."""
         raise NotImplementedError
 
-    def decode(self, enc: EncodedChunk, out: np.ndarray) -> None:
+    def decode(self, enc: EncodedChunk, out: np.ndarray, stream: bool = False) -> None:
+        """Decode into ``out``. ``stream``: the write is much larger than the caches (see
+        :func:`decode`); codecs without a native kernel ignore the hint."""
         raise NotImplementedError
 
 
@@ -355,7 +357,7 @@ class _Raw(_Codec):
     def encode(self, kv, dtype):
         return _copy_records(kv), ""
 
-    def decode(self, enc, out):
+    def decode(self, enc, out, stream=False):
         src = enc.payload.view(COMPUTE_DTYPES[enc.dtype]).reshape(enc.shape)
         t = _torch(out, src) if enc.dtype == "float32" else None
         if t is None:
@@ -384,7 +386,7 @@ class _Half(_Codec):
         buf = _f32_to_f16(x) if self.name == "fp16" else _f32_to_bf16_bits(x)
         return buf.reshape(kv.shape[0], -1).view(_U8), ""
 
-    def decode(self, enc, out):
+    def decode(self, enc, out, stream=False):
         src = enc.payload.view(_U16).reshape(enc.shape)
         if enc.dtype == self.native:
             np.copyto(out, src.view(COMPUTE_DTYPES[self.native]))
@@ -684,10 +686,7 @@ def decode(enc: EncodedChunk, out: np.ndarray | None = None, *, stream: bool = F
         out = np.empty(enc.shape, want)
     elif out.shape != tuple(enc.shape) or out.dtype != want:
         raise ValueError(f"out must be {want} {tuple(enc.shape)}, got {out.dtype} {out.shape}")
-    if stream and isinstance(c, _Quant):
-        c.decode(enc, out, stream=True)
-    else:
-        c.decode(enc, out)
+    c.decode(enc, out, stream=stream)
     return out
 
 
