@@ -26,12 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import ray
 
 from actors.executor import decode_timed, streams
-from actors.recompute import RecomputeWorker, RestoreRequest, RestoreStats, handed_over, shared_working_set
+from actors.recompute import (RecomputeWorker, RestoreRequest, RestoreStats, handed_over, shared_working_set,
+                              working_set_nbytes)
 from actors.service import ServiceConfig, drain
-from actors.swapio import KVSwapIO, layer_groups
+from actors.swapio import KVSwapIO, StagedChunk, layer_groups
 from engine.threads import single_threaded_torch
 from scheduler.pipeline import HandoverCost, layer_group_size
 from storage import codecs
@@ -293,7 +295,8 @@ class RayRestorer:
     at start). Without, this executor does it (`_restore_here`)."""
 
     def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
-                 read_rate, io, held: dict, views: dict, threads: int = 2) -> None:
+                 read_rate, io, held: dict, views: dict, threads: int = 2,
+                 staging: tuple[memoryview, int, int] | None = None) -> None:
         self.worker = worker
         self.io = io
         self.held = held  # key -> object ref of the resident chunks (the governor proxy's)
@@ -306,6 +309,13 @@ class RayRestorer:
         self.read_rate = read_rate
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
+        self.staging: tuple[str, int, int] | None = None
+        """(segment, offset, size) of the staging area the IO worker copies loaded chunks into."""
+        self.stage_area: np.ndarray | None = None
+        if staging is not None:
+            buf, offset, size = staging
+            self.staging = (shm_name, offset, size)
+            self.stage_area = np.ndarray(size, np.uint8, buffer=buf, offset=offset)
 
     def _load_nbytes(self, plan) -> int:
         return sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
@@ -350,13 +360,17 @@ class RayRestorer:
         loads = [i for i, _, _ in plan.load]
         # ask for the reads before the decode threads take both cores: the IO worker's request (and the
         # worker itself, which requests no CPU) would otherwise wait behind them
-        batches = self.io.read_batches.remote(plan.ctx, loads, self.batch_size(plan)) if loads else None
+        batches = (self.io.read_batches.remote(plan.ctx, loads, self.batch_size(plan), self.staging)
+                   if loads else None)
         jobs = [decode(i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
         got: set[int] = set()
         try:
             if loads:
                 def take(chunks, failed, a, b, k):
                     for i, enc in chunks:
+                        if isinstance(enc, StagedChunk):
+                            enc = enc.take(self.stage_area)
+                            res.staged_bytes += enc.nbytes
                         jobs.append(decode(i, enc))
                         got.add(i)
                         res.loaded_bytes += enc.nbytes
@@ -436,7 +450,9 @@ class ExecutorActor:
         # a new segment per executor process: a restarted executor never shares a stale one
         shm_name = f"{prefix}-ws-{os.getpid()}"
         _unlink_stale_segments(prefix)
-        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True)
+        ws_nbytes = working_set_nbytes(model.cfg, engine.limit)
+        staging = ws_nbytes if c.staging_bytes < 0 else c.staging_bytes
+        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True, staging_bytes=staging)
         ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
         from scheduler.pipeline import CostProfile, ReadRate
 
@@ -445,7 +461,8 @@ class ExecutorActor:
         self.per_ref_s = per_ref_seconds(io_handle)
         gov = _GovernorProxy(gov_handle)
         restorer = RayRestorer(recompute_handle, model.cfg, shm_name, engine.limit, c.chunk_tokens,
-                               self.per_ref_s, self.read_rate, io_handle, gov.held, gov.views)
+                               self.per_ref_s, self.read_rate, io_handle, gov.held, gov.views,
+                               staging=(self.shm.buf, ws_nbytes, staging) if staging else None)
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=gov.put, background=True)  # write-back after the reply
         # after a restart: the call in flight died with the old process, whose objects (the resident

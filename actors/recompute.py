@@ -59,6 +59,9 @@ class RestoreStats:
     loaded: int = 0
     """Chunks read from disk."""
     loaded_bytes: int = 0
+    staged_bytes: int = 0
+    """Of `loaded_bytes`, those handed over through the staging area (shared memory) on Ray, not as
+    objects of the object store."""
     recomputed: int = 0
     faults: int = 0
     """Chunks whose file was missing or corrupt, recomputed instead."""
@@ -85,10 +88,23 @@ def stage_seconds(timeline) -> dict[str, float]:
     return out
 
 
-def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
-    """A float32 `[L, 2, Hkv, capacity, D]` tensor over POSIX shared memory `name`."""
+def working_set_nbytes(cfg: ModelConfig, capacity: int) -> int:
+    """Bytes of a float32 working set of `capacity` tokens, rounded up to whole cache lines (a
+    staging area may follow it in the same segment)."""
+    from actors.swapio import STAGING_ALIGN
+
+    n = cfg.n_layers * 2 * cfg.n_kv_heads * capacity * cfg.head_dim * 4
+    return -(-n // STAGING_ALIGN) * STAGING_ALIGN
+
+
+def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,
+                       staging_bytes: int = 0) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    """A float32 `[L, 2, Hkv, capacity, D]` tensor over POSIX shared memory `name`; the creator can
+    add `staging_bytes` after it (the IO worker's staging area, `actors.swapio.StagedChunk`). Pages
+    cost memory only once written."""
+    from actors.swapio import attach_segment
+
     shape = (cfg.n_layers, 2, cfg.n_kv_heads, capacity, cfg.head_dim)
-    nbytes = int(np.prod(shape)) * 4
     if create:
         try:  # a segment left by a crashed executor of the same name
             old = shared_memory.SharedMemory(name=name)
@@ -96,15 +112,10 @@ def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool)
             old.unlink()
         except FileNotFoundError:
             pass
-        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+        shm = shared_memory.SharedMemory(name=name, create=True,
+                                         size=working_set_nbytes(cfg, capacity) + max(0, staging_bytes))
     else:
-        shm = shared_memory.SharedMemory(name=name)
-        # Python < 3.13 registers an attached segment with this process's resource tracker too, which
-        # unlinks it when this process dies: a killed recompute worker took the live executor's working
-        # set with it, and the restarted worker could not attach (FileNotFoundError). The creator owns it.
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister(shm._name, "shared_memory")
+        shm = attach_segment(name)
     arr = np.ndarray(shape, dtype=np.float32, buffer=shm.buf)
     return shm, torch.from_numpy(arr)
 

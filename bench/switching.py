@@ -195,8 +195,10 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
         calls = 1 + (1 if r["recomputed"] else 0)
         hops = calls + len(handovers)
         # every hop at its idle price: the calls' round trips, each hand-over by the bytes it carried
-        idle_hops_ms = calls * round_trip_ms + len(handovers) * ho_ms + ho_ms_per_mb * r["loaded_bytes"] / 1e6 \
-            if handovers else calls * round_trip_ms
+        # through the object store (chunks staged in shared memory cross as a tiny item: `per_ref`)
+        object_bytes = r["loaded_bytes"] - r.get("staged_bytes", 0)
+        idle_hops_ms = calls * round_trip_ms + (
+            len(handovers) * ho_ms + ho_ms_per_mb * object_bytes / 1e6 if object_bytes else len(handovers) * per_ref_ms)
         recs.append({"ctx": c, "e2e_ms": e2e * 1000, "per_ref_ms": per_ref_ms, "round_trip_ms": round_trip_ms,
                      "hops": hops if use_ray else 0, "handover_ms": handovers if use_ray else [],
                      "idle_handover": [ho_ms, ho_ms_per_mb], "idle_hops_ms": idle_hops_ms if use_ray else 0.0,
