@@ -19,6 +19,7 @@ import contextlib
 import json
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -68,6 +69,12 @@ def density_from_blob(blob: bytes, tr: DensityTracker) -> None:
     n = len(blob) // 16
     tr.sums = np.frombuffer(blob[: 8 * n], "<f8").copy()
     tr.rows = np.frombuffer(blob[8 * n :], "<i8").copy()
+
+
+SAVED_CONTEXTS = 64
+"""Contexts whose token ids and state an executor keeps from its own commits (a few tens of KB each),
+so that `begin_call` need not read or send them: on Ray a 2K-token context's plan is ~40 KB with
+them and ~3 KB without."""
 
 
 class CallTimeoutError(TimeoutError):
@@ -237,6 +244,9 @@ class ModelExecutor:
                     if background else None)
         self._pending: Future | None = None
         self._lock = threading.Lock()
+        self._saved: OrderedDict[str, tuple[int, np.ndarray, str, bytes]] = OrderedDict()
+        """Context -> (version, token ids, state, density) as this executor last committed them, the
+        most recent `SAVED_CONTEXTS`: `begin_call` leaves them out of the plan while still current."""
 
     @property
     def ws_ctx(self) -> str | None:
@@ -301,7 +311,14 @@ class ModelExecutor:
                 plan = CallPlan(ctx=ctx_id, token_ids=np.zeros(0, np.int32), state=None, density=b"",
                                 kv_tokens=self.ws.length, resident=[], load=[], recompute=[])
             else:
-                plan = self.gov.begin_call(ctx_id, app, cached=cached)
+                saved = self._saved.get(ctx_id)
+                plan = self.gov.begin_call(ctx_id, app, cached=cached, known=saved[0] if saved else None)
+                if plan.reused:
+                    if saved is None or saved[0] != plan.version:  # not expected: the governor checked
+                        self.gov.abort_call(ctx_id)
+                        raise RuntimeError(f"the plan of {ctx_id} reuses version {plan.version}, which this "
+                                           "executor does not hold")
+                    _v, plan.token_ids, plan.state, plan.density = saved
             try:
                 stats = RestoreStats()
                 if not cached:
@@ -401,17 +418,23 @@ class ModelExecutor:
             "overflows": ectx.overflows,
         }
         text = self.engine.tok.decode(ectx.token_ids)
-        return self.gov.commit_call(
+        state_json, density = json.dumps(state), density_blob(ectx.density)
+        todo, version = self.gov.commit_call(
             plan.ctx,
             ectx.token_ids,
             text,
-            json.dumps(state),
-            density_blob(ectx.density),
+            state_json,
+            density,
             ectx.cache.length,
             ectx.density.chunk_density(self.chunk),
             first_modified,
             restored,
         )
+        self._saved[plan.ctx] = (version, np.asarray(ectx.token_ids, dtype=np.int32), state_json, density)
+        self._saved.move_to_end(plan.ctx)
+        while len(self._saved) > SAVED_CONTEXTS:
+            self._saved.popitem(last=False)
+        return todo
 
     def _write_back(self, ctx: str, todo: dict[int, str]) -> None:
         """Encode the chunks the governor asked for and admit them to the pool (after the reply). The

@@ -18,7 +18,9 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -74,6 +76,8 @@ class CtxBook:
     kv_tokens: int = 0
     """Tokens of the context that have chunks (K/V computed at least once)."""
     chunks: dict[int, Chunk] = field(default_factory=dict)
+    version: int = 0
+    """Names the context's saved token ids and state: a new number at every commit (see `begin_call`)."""
 
 
 @dataclass(slots=True)
@@ -101,6 +105,10 @@ class CallPlan:
     """Chunks evicted to make room for this restore."""
     wrote_on_demand: int = 0
     """Chunks written to disk during this call's switch (on-demand swap-out)."""
+    version: int = 0
+    """The version of the context's token ids and state (`CtxBook.version`)."""
+    reused: bool = False
+    """`token_ids`, `state` and `density` were left out (empty): the caller said it holds this version."""
 
 
 class ContextBusyError(RuntimeError):
@@ -128,6 +136,9 @@ class MemoryGovernor:
         self.planner = CompressionPlanner(self.policy.compression_config(self.cfg.dtype))
         self.profile = profile or CostProfile.fit([(1, 0.01), (100, 1.0)], [(1 << 20, 0.001), (100 << 20, 0.1)])
         self.books: dict[str, CtxBook] = {}
+        # versions start at a random number per governor: a caller's copy from an earlier governor
+        # process (a restart) never matches one of this one's
+        self._versions = itertools.count(int.from_bytes(os.urandom(6), "big") << 16)
         self.locked: set[str] = set()
         self.restores = RestoreLog(max_records=10_000)  # (predicted, measured) as planned
         self.model_restores = RestoreLog(max_records=10_000)  # (the profile alone, measured)
@@ -144,7 +155,7 @@ class MemoryGovernor:
         self.registry.drop_resident()
         for app in self.registry.apps():
             for summary in self.registry.list_contexts(app):
-                book = CtxBook(app)
+                book = CtxBook(app, version=next(self._versions))
                 saved = self.registry.load_state(summary.id)
                 if saved is not None:
                     book.kv_tokens = int(json.loads(saved[0]).get("kv_tokens", 0))
@@ -176,7 +187,7 @@ class MemoryGovernor:
     # ---- contexts ---------------------------------------------------------------------------------
     def new_ctx(self, app: str, system_prompt: str = "") -> str:
         ctx = self.registry.create_context(app, system_prompt)
-        self.books[ctx] = CtxBook(app)
+        self.books[ctx] = CtxBook(app, version=next(self._versions))
         return ctx
 
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
@@ -219,10 +230,16 @@ class MemoryGovernor:
         }
 
     # ---- a call -----------------------------------------------------------------------------------
-    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False) -> CallPlan:
+    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False,
+                   known: int | None = None) -> CallPlan:
         """Lock `ctx` and plan its restore (making room in the pool for what will be loaded).
-        `cached`: the executor's working set still holds this context whole, nothing to restore."""
-        row = self.registry.get_context(ctx, app)  # UnknownContextError for another app's context
+        `cached`: the executor's working set still holds this context whole, nothing to restore.
+        `known`: the version of the context's token ids and state the executor kept from its last
+        `commit_call`; while it is current they are neither read nor sent (`CallPlan.reused`)."""
+        book = self.books.get(ctx)
+        reuse = known is not None and book is not None and book.version == known and app in (None, book.app)
+        # otherwise the registry's row: UnknownContextError for another app's context
+        row = None if reuse else self.registry.get_context(ctx, app)
         if ctx in self.locked:
             raise ContextBusyError("context is in use by another call")
         book = self.books[ctx]
@@ -235,7 +252,8 @@ class MemoryGovernor:
             raise
 
     def _plan(self, ctx: str, book: CtxBook, row, cached: bool) -> CallPlan:
-        saved = self.registry.load_state(ctx)
+        """`row`: the context's registry row, None to leave its token ids and state out."""
+        saved = self.registry.load_state(ctx) if row is not None else None
         n_chunks = 0 if cached else -(-book.kv_tokens // self.cfg.chunk_tokens)
         resident, missing, forced = [], [], []
         for i in range(n_chunks):
@@ -271,7 +289,7 @@ class MemoryGovernor:
             self._pending[ctx] = (shape, stages, corrected, model, predicted)
         return CallPlan(
             ctx=ctx,
-            token_ids=np.array(row.token_ids, dtype=np.int32),
+            token_ids=np.array(row.token_ids if row is not None else (), dtype=np.int32),
             state=saved[0] if saved else None,
             density=saved[1] if saved else b"",
             kv_tokens=book.kv_tokens,
@@ -282,6 +300,8 @@ class MemoryGovernor:
             model_predicted_s=model,
             evicted_for_restore=evicted,
             wrote_on_demand=wrote,
+            version=book.version,
+            reused=row is None,
         )
 
     def set_profile(self, profile_json: str) -> None:
@@ -324,15 +344,18 @@ class MemoryGovernor:
             self._set_resident(ctx, i, ch, handle, nbytes)
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
-                    chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None) -> dict[int, str]:
+                    chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None
+                    ) -> tuple[dict[int, str], int]:
         """Make the call's new token ids durable (before the reply completes) and plan compression.
 
         `first_modified` is the first chunk whose K/V the call changed (the old partial chunk, or 0
-        after an overflow). Returns {chunk index: level} for every chunk the executor must encode now:
-        the modified ones, those whose planned level dropped, and recomputed ones (`restored`).
+        after an overflow). Returns {chunk index: level} for every chunk the executor must encode now
+        (the modified ones, those whose planned level dropped, and recomputed ones, `restored`), and
+        the new version of the context's token ids and state (`begin_call`'s `known`).
         """
         book = self.books[ctx]
         self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, density)
+        book.version = next(self._versions)
         n_chunks = -(-kv_tokens // self.cfg.chunk_tokens)
         stale = [i for i in book.chunks if i >= first_modified or i >= n_chunks]
         for i in stale:  # their content changed: old resident copies and files are void
@@ -351,7 +374,7 @@ class MemoryGovernor:
                 todo[i] = plan.levels[i]
             if ch is not None:
                 ch.density = float(chunk_density[i])
-        return todo
+        return todo, book.version
 
     def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
         """Take the call's newly encoded chunks into the pool: (index, level, handle, nbytes). Evicts
