@@ -342,7 +342,7 @@ class RayRestorer:
         groups = layer_groups(self.cfg.n_layers, size)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, self.held[key]) for i, key in keys],
                              [i for i, _, _ in plan.load], list(plan.recompute), groups,
-                             self.shm_name, self.capacity)
+                             self.shm_name, self.capacity, self.staging[1:] if self.staging else None)
         res = call_retrying(self.worker.restore, req)
         return self._finish(ws, plan, res, size)
 

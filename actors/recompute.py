@@ -5,8 +5,9 @@ executor's working set, a shared-memory buffer `[L, 2, Hkv, capacity, D]`. For a
 resident chunks, then consumes the KV swap/IO worker's per-layer-group stream: as soon as the layers of
 group `g` of every loaded chunk have arrived and been decoded, it recomputes those layers of the
 planned chunks (`Transformer.recompute_layer`), while the IO worker already reads group `g+1`.
-Nothing but encoded chunk bytes crosses processes (numpy, zero-copy out of the object store); the
-decoded K/V are written in place, where the executor attends to them.
+Nothing but encoded chunk bytes crosses processes (numpy, zero-copy: the IO worker copies them into the
+staging area after the working set in the same segment, or, past its end, they come out of the object
+store); the decoded K/V are written in place, where the executor attends to them.
 
 A chunk whose file turns out missing or corrupt is recomputed instead (a second, full pass if the fault
 shows up after its first layers were used), so a restore never yields wrong K/V.
@@ -42,6 +43,8 @@ class RestoreRequest:
     """The executor's working-set segment."""
     capacity: int = 0
     """Its capacity in tokens."""
+    staging: tuple[int, int] | None = None
+    """(offset, size) of the staging area in that segment (`actors.swapio.StagedChunk`), if any."""
     present: list[int] = field(default_factory=list)
     """Chunks the caller fills itself: concurrently with a restore that recomputes nothing (resident
     chunks the executor decodes while this restore loads others), or before it (a recompute reads them)."""
@@ -221,7 +224,29 @@ class RecomputeWorker:
 
         ws = self._attach(req.shm_name, req.capacity)
         stream = ()
+        staged = [0]
         if req.load:
-            gen = self.io.read_groups.remote(req.ctx, req.load, req.groups)
+            staging = (req.shm_name, *req.staging) if req.staging else None
+            gen = self.io.read_groups.remote(req.ctx, req.load, req.groups, staging)
             stream = (ray.get(ref) for ref in gen)
-        return pipelined_restore(self.model, ws, req, stream, ray.get)
+            if staging is not None:
+                area = np.ndarray(req.staging[1], np.uint8, buffer=self.shm.buf, offset=req.staging[0])
+                stream = (unstage(grp, area, staged) for grp in stream)
+        res = pipelined_restore(self.model, ws, req, stream, ray.get)
+        res.staged_bytes = staged[0]
+        return res
+
+
+def unstage(grp, area: np.ndarray, staged: list[int]):
+    """`grp` (a `LayerGroup`) with its staged chunks taken from `area`; adds their bytes to staged[0]."""
+    import dataclasses
+
+    from actors.swapio import StagedChunk
+
+    chunks = {}
+    for i, c in grp.chunks.items():
+        if isinstance(c, StagedChunk):
+            staged[0] += c.nbytes
+            c = c.take(area)
+        chunks[i] = c
+    return dataclasses.replace(grp, chunks=chunks)

@@ -114,6 +114,7 @@ def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_p
         o = svc.call(tok, c, p, max_tokens=4)
         r = o["restore"]
         if r["loaded"] and r["recomputed"]:
+            assert r["staged_bytes"] == r["loaded_bytes"] > 0  # the groups came through the staging area
             tl = r["timeline"]
             reads = {g: (s, e) for what, g, s, e in tl if what == "read"}
             recs = {l: s for what, l, s, e in tl if what == "recompute" and l >= 0}

@@ -94,3 +94,36 @@ def test_read_batches_stages_what_fits_in_the_consumers_shared_memory_and_hands_
         assert np.array_equal(c.take(np.ndarray(2 * n, np.uint8, buffer=seg2.buf)).payload, encs[2].payload)
     finally:
         unlink(seg2)
+
+
+def test_read_groups_stage_each_groups_layers_in_turn_and_the_worker_takes_them_back(tmp_path):
+    from multiprocessing import resource_tracker, shared_memory
+
+    from actors.recompute import unstage
+    from actors.swapio import StagedChunk, layer_groups
+
+    io = KVSwapIO(str(tmp_path), "fp-test")
+    encs = {i: codecs.encode(synthetic_kv(seed=i), "q4") for i in range(3)}
+    io.write(KEY, [(i, enc, 16 * i) for i, enc in encs.items()])
+    n_layers = encs[0].shape[0]
+    groups = layer_groups(n_layers, 3)
+    seg = shared_memory.SharedMemory(create=True, size=1 << 20)
+    try:
+        area = np.ndarray(seg.size, np.uint8, buffer=seg.buf)
+        got = list(io.read_groups(KEY, [2, 0, 1], groups, staging=(seg.name, 0, seg.size)))
+        assert [g.layers for g in got] == groups
+        staged = [0]
+        offsets = []
+        for g in got:
+            assert all(isinstance(c, StagedChunk) for c in g.chunks.values())
+            offsets += [c.offset for c in g.chunks.values()]
+            back = unstage(g, area, staged)
+            for i, enc in back.chunks.items():  # each the same layers as a direct read
+                want = io.store.read_layers(KEY, i, g.layers)
+                assert enc.first_layer == g.layers.start and np.array_equal(enc.payload, want.payload)
+        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)  # never overwritten
+        assert staged[0] == sum(g.nbytes for g in got) == io.bytes_read
+    finally:
+        resource_tracker.register(seg._name, "shared_memory")  # undone by the worker's attach
+        seg.close()
+        seg.unlink()
