@@ -6,11 +6,11 @@ Reads for a restore come out per layer group (`read_groups`) or as batches of wh
 batch `k` while `k+1` is still being read. Writes take resident handles; `resolve` turns a handle
 into an `EncodedChunk` (identity in one process, `ray.get` under Ray).
 
-`read_batches` and `read_groups` can copy the chunks they read into a staging area, a range of a shared-memory segment
-the consumer created (on Ray, the tail of the executor's working-set segment), and hand over only
-where each lies (`StagedChunk`): a batch of a few MB then crosses as a tiny object instead of one the
-object store creates, seals and maps (idle here: 1.5-1.6 ms against 3.1-3.4 ms for 2 MB, see
-docs/benchmarks.md, "Context switching").
+`read_batches` and `read_groups` can copy the chunks they read into a staging area, a range of a
+shared-memory segment the consumer created (on Ray, the tail of the executor's working-set segment),
+and hand over only where each lies (`StagedChunk`): a batch of a few MB then crosses as a tiny object
+instead of one the object store creates, seals and maps (idle here: 1.5-1.6 ms against 3.1-3.4 ms
+for 2 MB, see docs/benchmarks.md, "Context switching").
 
 It knows nothing about policies or the model: it moves bytes and reports timings.
 """
