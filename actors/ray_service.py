@@ -452,6 +452,7 @@ class ExecutorActor:
         _unlink_stale_segments(prefix)
         ws_nbytes = working_set_nbytes(model.cfg, engine.limit)
         staging = ws_nbytes if c.staging_bytes < 0 else c.staging_bytes
+        _warn_if_shm_small(ws_nbytes + staging)
         self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True, staging_bytes=staging)
         ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
         from scheduler.pipeline import CostProfile, ReadRate
@@ -658,6 +659,24 @@ def _unlink_stale_segments(prefix: str) -> None:
         owner, _, pid = seg.name.rpartition("-ws-")
         if pid.isdigit() and (owner == prefix or owner.startswith("llmaas")) and not pid_alive(int(pid)):
             seg.unlink(missing_ok=True)
+
+
+def _warn_if_shm_small(nbytes: int) -> None:
+    """The working set and staging area are pages of /dev/shm, taken as they are first written: a
+    tmpfs smaller than that (a container's default is 64 MB) would kill the executor with SIGBUS
+    mid-restore, so say so at start."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "/dev/shm has %.0f MB free, less than the working set and staging area (%.0f MB): lower "
+            "max_context_tokens or staging_bytes, or give the container more (docker --shm-size)",
+            free / 1e6, nbytes / 1e6)
 
 
 def _store_cfg(c: ServiceConfig):
