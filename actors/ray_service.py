@@ -86,7 +86,7 @@ class IOActor(KVSwapIO):
 
     def __init__(self, root: str, fingerprint: str, config, data_dir: str, **kw) -> None:
         from actors.metrics import Metrics
-        from storage.heap import retain_freed_memory
+        from storage.heap import freeze_startup_objects, retain_freed_memory
 
         retain_freed_memory()  # fresh read buffers and payloads: keep freed memory, no page faults
 
@@ -102,6 +102,7 @@ class IOActor(KVSwapIO):
             m.swap_seconds.labels(direction).inc(seconds)
 
         self.observe = observe
+        freeze_startup_objects()  # no full collection walks Ray's and the store's objects mid-restore
 
 
 class GovernorActor:
@@ -146,6 +147,9 @@ class GovernorActor:
         self._lock = threading.Lock()  # the governor's books: one method or one publish at a time
         self._changed = threading.Event()
         threading.Thread(target=self._publisher, name="publish-gauges", daemon=True).start()
+        from storage.heap import freeze_startup_objects
+
+        freeze_startup_objects()  # no full collection walks the start-up's objects inside a `begin_call`
 
     PUBLISH_DELAY_S = 0.05
 
@@ -480,6 +484,9 @@ class ExecutorActor:
         self.metrics = Metrics()
         self.metrics.start("executor", c.data_dir)
         init_executor_series(self.metrics, self.policy)
+        from storage.heap import freeze_startup_objects
+
+        freeze_startup_objects()  # no full collection walks torch's, Ray's and the model's objects in a call
 
     def _observe(self, out: dict) -> None:
         from actors.metrics import switch_outcome

@@ -209,6 +209,9 @@ class RecomputeWorker:
         self.io = io
         self.shm = None
         self.ws: KVCache | None = None
+        from storage.heap import freeze_startup_objects
+
+        freeze_startup_objects()  # no full collection walks torch's and the model's objects mid-restore
 
     def _attach(self, name: str, capacity: int) -> KVCache:
         """Map the executor's working set; again after the executor restarted with a new segment."""
