@@ -65,8 +65,9 @@ class ChunkBatch:
 
 @dataclass(frozen=True, slots=True)
 class StagedChunk:
-    """An `EncodedChunk` whose payload `read_batches` copied into the consumer's staging area: the
-    batch carries these few fields, and the consumer takes the payload as a view of its own memory."""
+    """An `EncodedChunk` whose payload `read_batches` or `read_groups` copied into the consumer's
+    staging area: the batch or group carries these few fields, and the consumer takes the payload as
+    a view of its own memory."""
 
     offset: int
     """Byte offset of the payload in the staging area."""
