@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import os
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from storage.heap import freeze_startup_objects
 
 BEGIN, END = "<!-- switching:begin -->", "<!-- switching:end -->"
 POLICIES = ["lmk", "swap", "vllm-s", "vllm-sq", "llms"]
@@ -201,10 +202,10 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
         svc.call(tok, c, p, max_tokens=1)
         ctxs.append(c)
         wait_idle(svc)
-    # the trace starts with no collection pending: this process may hold ~320 thousand objects (torch,
-    # Ray, the model), and a full collection of them, 120 ms, landing in one run's calls and not the
-    # other's distorted comparisons (the first one-process run after `import ray`: 9.3 against 6.0 ms)
-    gc.collect()
+    # as the actors do after their start: no full collection of this process's ~320 thousand objects
+    # (torch, Ray, the model; 120 ms) lands in one run's calls and not the other's, which distorted
+    # comparisons (the first one-process run after `import ray`: 9.3 against 6.0 ms)
+    freeze_startup_objects()
     recs = []
     for k, c in enumerate(order):
         t = time.perf_counter()
