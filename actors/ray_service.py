@@ -33,7 +33,7 @@ from actors.executor import decode_timed, streams
 from actors.recompute import (RecomputeWorker, RestoreRequest, RestoreStats, handed_over, shared_working_set,
                               working_set_nbytes)
 from actors.service import ServiceConfig, drain
-from actors.swapio import KVSwapIO, StagedChunk, layer_groups
+from actors.swapio import KVSwapIO, layer_groups, unstaged
 from engine.threads import single_threaded_torch
 from scheduler.pipeline import HandoverCost, layer_group_size
 from storage import codecs
@@ -371,10 +371,9 @@ class RayRestorer:
         try:
             if loads:
                 def take(chunks, failed, a, b, k):
-                    for i, enc in chunks:
-                        if isinstance(enc, StagedChunk):
-                            enc = enc.take(self.stage_area)
-                            res.staged_bytes += enc.nbytes
+                    for i, c in chunks:
+                        enc, staged = unstaged(c, self.stage_area)
+                        res.staged_bytes += staged
                         jobs.append(decode(i, enc))
                         got.add(i)
                         res.loaded_bytes += enc.nbytes

@@ -244,12 +244,10 @@ def unstage(grp, area: np.ndarray, staged: list[int]):
     """`grp` (a `LayerGroup`) with its staged chunks taken from `area`; adds their bytes to staged[0]."""
     import dataclasses
 
-    from actors.swapio import StagedChunk
+    from actors.swapio import unstaged
 
     chunks = {}
     for i, c in grp.chunks.items():
-        if isinstance(c, StagedChunk):
-            staged[0] += c.nbytes
-            c = c.take(area)
-        chunks[i] = c
+        chunks[i], n = unstaged(c, area)
+        staged[0] += n
     return dataclasses.replace(grp, chunks=chunks)

@@ -104,6 +104,31 @@ STAGING_ALIGN = 64
 """Staged payloads start on cache-line boundaries."""
 
 
+class _Stager:
+    """Places one read call's payloads one after another in a staging area (None: no staging)."""
+
+    def __init__(self, area: np.ndarray | None) -> None:
+        self.area, self.used = area, 0
+
+    def stage(self, enc: EncodedChunk) -> EncodedChunk | StagedChunk:
+        """`enc` copied into the area as a `StagedChunk`, or `enc` itself when it does not fit."""
+        if self.area is None:
+            return enc
+        at = -(-self.used // STAGING_ALIGN) * STAGING_ALIGN
+        if at + enc.nbytes > len(self.area):
+            return enc
+        self.used = at + enc.nbytes
+        return StagedChunk.place(enc, self.area, at)
+
+
+def unstaged(c: EncodedChunk | StagedChunk, area: np.ndarray | None) -> tuple[EncodedChunk, int]:
+    """The consumer's side: (the chunk, its payload a view of `area` when it was staged; the bytes
+    that came through the area, 0 when it came whole)."""
+    if isinstance(c, StagedChunk):
+        return c.take(area), c.nbytes
+    return c, 0
+
+
 def attach_segment(name: str) -> shared_memory.SharedMemory:
     """Map an existing POSIX shared-memory segment that another process created and owns.
 
@@ -193,16 +218,12 @@ class KVSwapIO:
         makes the next (the IO worker runs one call at a time, so two never write at once)."""
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
-        area = self._staging_area(*staging) if staging is not None else None
-        used = 0
+        stager = _Stager(self._staging_area(*staging) if staging is not None else None)
         chunks, failed = self.read_stream(ctx, indices)
         got: list[tuple[int, EncodedChunk | StagedChunk]] = []
         k, t0 = 0, time.monotonic()
         for i, enc in chunks:
-            at = -(-used // STAGING_ALIGN) * STAGING_ALIGN
-            if area is not None and at + enc.nbytes <= len(area):
-                enc, used = StagedChunk.place(enc, area, at), at + enc.nbytes
-            got.append((i, enc))
+            got.append((i, stager.stage(enc)))
             if len(got) == batch:
                 yield ChunkBatch(k, got, dict(failed), t0, time.monotonic())
                 got, k, t0 = [], k + 1, time.monotonic()
@@ -227,8 +248,7 @@ class KVSwapIO:
         """Read the chunks layer group by layer group, yielding each group as soon as it is read.
         `staging`: as in `read_batches`, over all the groups of the call."""
         failed: dict[int, str] = {}
-        area = self._staging_area(*staging) if staging is not None else None
-        used = 0
+        stager = _Stager(self._staging_area(*staging) if staging is not None else None)
         self.store.prefetch(ctx, indices)
         for g, layers in enumerate(groups):
             t0 = time.monotonic()
@@ -236,11 +256,7 @@ class KVSwapIO:
             _sort(self.store.read_layers_each(ctx, [i for i in indices if i not in failed], layers),
                   chunks, failed)
             nbytes = sum(c.nbytes for c in chunks.values())
-            if area is not None:
-                for i, enc in chunks.items():
-                    at = -(-used // STAGING_ALIGN) * STAGING_ALIGN
-                    if at + enc.nbytes <= len(area):
-                        chunks[i], used = StagedChunk.place(enc, area, at), at + enc.nbytes
+            chunks = {i: stager.stage(enc) for i, enc in chunks.items()}
             self.bytes_read += nbytes
             self.observe("in", nbytes, time.monotonic() - t0)
             yield LayerGroup(g, layers, chunks, dict(failed), t0, time.monotonic(), nbytes)

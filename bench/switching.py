@@ -276,6 +276,15 @@ def summarise(recs):
     }
 
 
+def command(args) -> str:
+    """The command line that reproduces a run, for the tables."""
+    return (f"python -m bench.switching --calls {args.calls} --contexts {args.contexts}"
+            + (f" --bound {args.bound}" if args.bound else "")
+            + (f" --policies {' '.join(args.policies)}" if list(args.policies) != list(POLICIES) else "")
+            + (f" --throttle-mbps {args.throttle_mbps:g}" if args.throttle_mbps else "")
+            + (" --ray" if args.ray and not args.bound else "") + (f" --seed {args.seed}" if args.seed else ""))
+
+
 BOUND_FACTOR = 1.3
 """Issue 4: the actor path costs at most this times the same plan in one process, plus the hops."""
 
@@ -307,9 +316,7 @@ def check_bound(args, engine, prompts, order, pool, tokens) -> int:
                       f"request {on_ray['request_ms']:.2f}), bound {bound:.2f} ms: "
                       + ("met" if on_ray["mean_switch_ms"] <= bound else "missed")
                       + f" by {abs(bound - on_ray['mean_switch_ms']):.2f} ms", file=sys.stderr)
-    cmd = (f"python -m bench.switching --calls {args.calls} --contexts {args.contexts} --bound {args.bound}"
-           + (f" --policies {' '.join(args.policies)}" if list(args.policies) != list(POLICIES) else "")
-           + (f" --throttle-mbps {args.throttle_mbps:g}" if args.throttle_mbps else ""))
+    cmd = command(args)
     lines = [
         BEGIN.replace("begin", "begin:bound"),
         "#### The actor path's bound",
@@ -387,10 +394,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(results, indent=1))
     mode = "Ray actors" if args.ray else "one process"
     thr = f"{args.throttle_mbps:g} MB/s read throttle" if args.throttle_mbps else "no read throttle"
-    cmd = (f"python -m bench.switching --calls {args.calls} --contexts {args.contexts}"
-           + (f" --policies {' '.join(args.policies)}" if list(args.policies) != list(POLICIES) else "")
-           + (f" --throttle-mbps {args.throttle_mbps:g}" if args.throttle_mbps else "") + (" --ray" if args.ray else "")
-           + (f" --seed {args.seed}" if args.seed else ""))
+    cmd = command(args)
     lines = [
         f"{BEGIN.replace('begin', 'begin:' + mode + ':' + thr)}",
         f"#### {mode}, {thr}",
