@@ -15,7 +15,7 @@ For a context of ``--tokens`` tokens (16-token chunks of the default model's sha
    one crash-safe pack, fsync of file and folder; ``--pack-per-chunk``: one pack per chunk, the
    layout of format 2's one file per chunk, for A/B), then cold reads (fsync + posix_fadvise
    DONTNEED on every pack before each pass) of the whole context: the pack files alone with no
-   checks ("plain", the I/O ceiling of the layout), ChunkStore.read_iter with one and with
+   checks ("plain", the I/O ceiling of the layout), ChunkStore.read with one and with
    ``--threads`` threads, in bytes on disk per second and as a fraction of the raw sequential read
    bandwidth; and read + decode into the context buffer.
 
@@ -24,7 +24,7 @@ over English text from the standard library's docstrings), else synthetic data w
 Timings are the median (or best) of ``--reps`` passes. torch is imported when installed and limited
 to one thread, as in the service's model processes: the codecs cast float32 <-> float16 in torch
 when a process has it (numpy otherwise). The quantized levels run in the compiled kernels of
-storage/kvquant.c when they build (``--no-native``: their numpy/torch paths). This is a benchmark entry point: it knows nothing the
+storage/kvquant.c when they build (``--no-native``: ``LLMAAS_NATIVE=0``, their numpy/torch paths). This is a benchmark entry point: it knows nothing the
 storage package does not export.
 """
 
@@ -42,8 +42,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from storage import codecs as C
-from storage.chunkfile import ChunkStore, ChunkStoreConfig
+from engine import native
+from storage import codecs, quantize
+from storage.chunkstore import ChunkStore, ChunkStoreConfig
+from storage.errors import StorageError
 
 SHAPE = (30, 2, 3, 16, 64)  # the default model's chunk
 LEVELS = ("raw", "fp16", "bf16", "q8", "q4", "q2")
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-heap-retain", action="store_true", help="leave glibc's malloc as it is (the service's "
                    "actor processes keep freed memory for reuse, storage.heap; this is what they do without it)")
     p.add_argument("--no-native", action="store_true", help="run the quantized codecs on their numpy/torch "
-                   "paths instead of the compiled kernels of storage/kvquant.c (as on a machine without a C compiler)")
+                   "paths instead of the compiled kernels of storage/kvquant.c (as on a machine without a C compiler: "
+                   "LLMAAS_NATIVE=0, so the crc32 kernel is off too)")
     p.add_argument("--pack-per-chunk", action="store_true", help="write each chunk as a pack of its own "
                    "(the one-file-per-chunk layout of format 2) instead of one pack per write-back")
     args = p.parse_args(argv)
@@ -215,8 +218,9 @@ def main(argv: list[str] | None = None) -> None:
 
         on = retain_freed_memory()
         print(f"heap: {'freed memory kept for reuse, as in the service actors (storage.heap)' if on else 'defaults (mallopt unavailable)'}")
-    C.USE_NATIVE = not args.no_native
-    print(f"quantized codecs: {'compiled kernels (storage/kvquant.c)' if C._kvq() else 'numpy/torch'}")
+    if args.no_native:
+        os.environ[native.ENV_SWITCH] = "0"  # before any kernel is loaded
+    print(f"quantized codecs: {'compiled kernels (storage/kvquant.c)' if quantize.kernels() else 'numpy/torch'}")
     kv = None if args.synthetic else real_kv(args.tokens)
     if kv is None:
         kv = synthetic_kv(args.tokens)
@@ -240,12 +244,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{'dec %dt' % args.threads:>8s} {'stored MB':>10s} {'bits/val':>9s} {'rel RMS err':>12s}")
     encoded = {}
     for level in LEVELS:
-        e1 = timed(lambda: C.encode_many(chunks, level), args.reps, stat)
-        e2 = timed(lambda: C.encode_many(chunks, level, executor=pool), args.reps, stat)
-        encs = C.encode_many(chunks, level)
+        e1 = timed(lambda: codecs.encode_many(chunks, level), args.reps, stat)
+        e2 = timed(lambda: codecs.encode_many(chunks, level, executor=pool), args.reps, stat)
+        encs = codecs.encode_many(chunks, level)
         encoded[level] = encs
-        d1 = timed(lambda: C.decode_many(encs, outs), args.reps, stat)
-        d2 = timed(lambda: C.decode_many(encs, outs, executor=pool), args.reps, stat)
+        d1 = timed(lambda: codecs.decode_many(encs, outs), args.reps, stat)
+        d2 = timed(lambda: codecs.decode_many(encs, outs, executor=pool), args.reps, stat)
         stored = sum(e.nbytes for e in encs)
         err = float(np.sqrt(((buf - kv) ** 2).sum() / (kv**2).sum()))
         print(f"{level:6s} {e1 * 1e3:8.1f} {e2 * 1e3:8.1f} {d1 * 1e3:8.1f} {d2 * 1e3:8.1f} "
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({raw_nbytes / 1e6:.0f} MB file); baseline {seq_r / 1e6:.0f} MB/s\n")
         layout = f"{n} packs of one chunk" if args.pack_per_chunk else "one pack per write-back"
         print(f"chunk packs ({layout}, fsync per pack and folder; cold reads of the whole context "
-              f"with ChunkStore.read_iter; {args.stat} of {args.reps})")
+              f"with ChunkStore.read; {args.stat} of {args.reps})")
         print(f"{'level':6s} {'MB disk':>8s} {'write ms':>9s} {'write MB/s':>11s} {'plain ms':>9s} "
               f"{'of raw':>7s} {'read ms':>8s} "
               f"{'MB/s':>6s} {'of raw':>7s} {'read %dt' % args.threads:>8s} {'MB/s':>6s} {'of raw':>7s} "
@@ -304,12 +308,15 @@ def main(argv: list[str] | None = None) -> None:
 
             r0 = stat([cold(plain) for _ in range(args.reps)])
             def read(executor=None):
-                for _ in store.read_iter(KEY, range(n), executor=executor):
-                    pass
+                for _, enc in store.read(KEY, range(n), executor=executor):
+                    if isinstance(enc, StorageError):
+                        raise enc
 
             def restore():  # read and decode each chunk into its slot, as a restore does
-                for i, enc in enumerate(store.read_iter(KEY, range(n))):
-                    C.decode(enc, outs[i])
+                for i, enc in store.read(KEY, range(n)):
+                    if isinstance(enc, StorageError):
+                        raise enc
+                    codecs.decode(enc, outs[i])
 
             r1 = stat([cold(read) for _ in range(args.reps)])
             r2 = stat([cold(lambda: read(pool)) for _ in range(args.reps)])

@@ -1,6 +1,9 @@
 """The on-disk format of one chunk record: a fixed prefix, a msgpack header, per-layer records.
 
-A pack file (:mod:`storage.chunkfile`) holds such records back to back, each at a multiple of 64
+This module deliberately knows nothing about paths, directories, caps or throttles: it turns
+headers and records into bytes and validates bytes that come back.
+
+A pack file (:mod:`storage.packindex`) holds such records back to back, each at a multiple of 64
 bytes; offsets below are from the record's start. A pack of one chunk is what format 2 stored as
 one file per chunk, byte for byte.
 
@@ -23,21 +26,16 @@ the registry stores) is the crc32 of the header bytes, which covers the codec, s
 every payload checksum.
 
 Why not lz4 frames with xxh32 content checksums (format version 1): lz4 saves almost nothing on K/V
-records (on real K/V of the default model, under 1% of layer records shrink by an eighth or more,
-none at q2; files are within 0.1% of the records' size) while the frames made the checked read
-CPU-bound: 30 frame calls per chunk at ~2-9 us each, an xxh32 pass and two copies of
-every byte. Now a full read is one read into a fresh buffer, one crc32 pass (~5 GB/s, GIL released)
-and a zero-copy view when no layer is compressed; the 64-byte alignment lets decoders use the
-records in place. Version 1 files are refused with ChunkVersionError (the registry's verify() marks
-them for recompute).
+records while per-layer frames made the checked read CPU-bound (a frame call per layer, an xxh32
+pass and two copies of every byte). A full read is one read into a fresh buffer, one crc32 pass
+(GIL released) and a zero-copy view when no layer is compressed; the 64-byte alignment lets decoders
+use the records in place. Version 1 files are refused with ChunkVersionError (the registry's
+verify() marks them for recompute).
 
 Reading is defensive: the prefix is checked before the header is parsed; the header length is
 capped; msgpack is parsed with explicit limits and then checked field by field; the file size must
 equal the header's promise before the payload is touched; lz4 output is bounded to the record size.
 Anything that does not match raises CorruptChunkError (or ChunkVersionError), never returns data.
-
-This module deliberately knows nothing about paths, directories, caps or throttles: it turns
-headers and records into bytes and validates bytes that come back.
 """
 
 from __future__ import annotations
@@ -48,13 +46,15 @@ import re
 import struct
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import lz4.block
 import msgpack
 import numpy as np
 
-from storage.codecs import CODECS, COMPUTE_DTYPES, PARAM_DTYPES, EncodedChunk
+from storage.codecs import CODECS, COMPUTE_DTYPES, EncodedChunk
 from storage.errors import ChunkVersionError, CorruptChunkError
+from storage.quantize import PARAM_DTYPES
 
 MAGIC = b"KVCHUNK\n"
 FORMAT_VERSION = 2
@@ -106,13 +106,14 @@ class ChunkHeader:
 USE_NATIVE_CRC = True
 _crc_lib: list = []  # [the crc32_update function or None], filled on first use
 _NATIVE_CRC_MIN = 4096  # below this zlib is as fast as the call through ctypes
+_CRC32_C = Path(__file__).with_name("crc32.c")
 
 
 def _crc_fn():
     if not _crc_lib:
-        from storage import native  # no torch: plain ctypes
+        from engine import native  # imported on first use, as the kernel is built
 
-        lib = native.load("crc32")
+        lib = native.load("crc32", _CRC32_C)
         fn = None
         if lib is not None and lib.crc32_fast():
             fn = lib.crc32_update
@@ -124,7 +125,7 @@ def _crc_fn():
 
 def crc32(data, value: int = 0) -> int:
     """``zlib.crc32(data, value)``, the same number, at memory speed for large buffers where the CPU
-    has carry-less multiplication (storage/crc32.c; ~4x zlib on the VMs measured here). ``data``: a
+    has carry-less multiplication (storage/crc32.c, several times zlib's speed). ``data``: a
     contiguous uint8 numpy array, bytes or a memoryview of bytes."""
     n = len(data)
     if n < _NATIVE_CRC_MIN or not USE_NATIVE_CRC:

@@ -1,7 +1,7 @@
 """Exception types of the storage layer.
 
 Every error a caller may want to tell apart carries a stable ``code`` string (the HTTP edge maps it
-to a status; logs and metrics use it as a label). The tiers follow STYLE.md: capacity and corruption
+to a status; logs and metrics use it as a label). Three tiers: capacity and corruption
 are our own types below; caller bugs (a wrong shape, a bad argument type) are ``ValueError`` /
 ``TypeError``; broken internal invariants are ``RuntimeError``.
 
@@ -21,7 +21,7 @@ class StorageError(Exception):
 
 
 class ChunkNotFoundError(StorageError):
-    """No chunk file exists for the (context key, chunk index) asked for."""
+    """No chunk record exists for the (context key, chunk index) asked for."""
 
     code = "chunk_not_found"
 
@@ -65,10 +65,12 @@ class InvalidKeyError(StorageError, ValueError):
 # -- codecs ----------------------------------------------------------------------------------------
 
 
-class UnknownLevelError(StorageError, ValueError):
-    """A codec level name is not in the registry; the message lists the valid names."""
+class UnknownCodecError(StorageError, ValueError):
+    """No codec is registered under a level name (:data:`storage.codecs.CODECS`); the message lists
+    the valid names. (The scheduler's own check of level names raises
+    ``scheduler.errors.UnknownLevelError``; storage does not import the scheduler.)"""
 
-    code = "unknown_level"
+    code = "unknown_codec"
 
 
 # -- registry --------------------------------------------------------------------------------------

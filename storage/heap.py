@@ -1,13 +1,15 @@
-"""Keep freed heap memory for reuse instead of handing it back to the kernel (glibc `mallopt`).
+"""Keep freed heap memory for reuse instead of handing it back to the kernel (glibc `mallopt`), and
+freeze a long-lived process's start-up objects out of the cyclic collector's sight.
 
-Why: on the machines measured here (a firecracker VM), a page fault costs ~1.4 us, so every fresh
-megabyte a process touches costs ~0.35 ms. glibc serves allocations above its mmap threshold (128 KiB,
-raised dynamically up to 32 MiB) with fresh mappings and trims the heap's free top beyond its trim
-threshold, so a process that allocates and frees MB-sized buffers again and again (chunk payloads,
-codec outputs, file read buffers) faults them in every time. Encoding a whole 2048-token context
-(128 chunks) on one thread, `python -m bench.storage_speed` against `--no-heap-retain`, 2026-11-22,
-two runs each: raw 43-45 -> 15 ms, bf16 33-34 -> 21, q8 42-43 -> 35-36, q4 45-47 -> 40, fp16 and q2
-unchanged; on Ray, switching ~5% faster (docs/benchmarks.md, "Heap retention").
+This module deliberately knows nothing about chunks, codecs or files: it sets process-wide
+allocator and collector knobs, and the caller decides when.
+
+Why: every fresh page a process touches costs a page fault. glibc serves allocations above its mmap
+threshold (128 KiB, raised dynamically up to 32 MiB) with fresh mappings and trims the heap's free
+top beyond its trim threshold, so a process that allocates and frees MB-sized buffers again and
+again (chunk payloads, codec outputs, file read buffers) faults them in every time
+(`python -m bench.storage_speed --no-heap-retain` shows the difference; docs/benchmarks.md, "Heap
+retention").
 
 The price is resident memory: up to `trim_mib` of freed memory at the heap's top stays with the process
 (freed blocks inside the heap are reused either way). The service's actor processes call
@@ -50,12 +52,10 @@ def freeze_startup_objects() -> int:
     """Collect garbage once and move every object alive now out of the cyclic collector's sight
     (`gc.freeze`); returns how many were frozen. Call it at the end of a long-lived process's start.
 
-    Why: a process holding torch, Ray and a model tracks ~320 thousand objects, and a full (oldest
-    generation) collection walks them all: 120 ms on the 2-core test VM, a pause that lands inside
-    whichever call is running when the collector decides to run one (the actors' start-up alone
-    triggered three, of 80-119 ms). Frozen, they are never walked again (a full collection then took
-    under 0.01 ms); objects made later are collected as usual. docs/benchmarks.md, "Context
-    switching", session 19."""
+    Why: a process holding torch, Ray and a model tracks hundreds of thousands of objects, and a full
+    (oldest generation) collection walks them all, a pause that lands inside whichever call is
+    running when the collector decides to run one. Frozen, they are never walked again; objects made
+    later are collected as usual (docs/benchmarks.md, "Context switching")."""
     import gc
 
     gc.collect()

@@ -1,5 +1,9 @@
 """The context registry: apps, contexts (token ids and text) and chunk states, in embedded SQLite.
 
+This module deliberately knows nothing about policies (which chunk to evict or compress: the
+memory governor decides and calls ``mark_chunks``), nor about KV data: it records who owns what and
+where it is. Timestamps come from the injected ``clock`` (seconds).
+
 The database runs in WAL mode with ``synchronous=FULL``: a committed transaction survives a crash
 of the process (and of the machine), and reopening after a crash gives the state of the last
 committed transaction (one exception: eviction rows a restart discards anyway, written by
@@ -21,10 +25,6 @@ Rows in ``swapped``/``both`` name their file and its checksum; the others name n
 Protocol with the chunk store (what makes crashes safe): write the chunk file first, then commit its
 row. So a file is always as new as its row or newer; :meth:`Registry.verify` adopts a valid newer
 file, marks rows whose file is missing or corrupt for recompute, and lists files no row names.
-
-Timestamps come from the injected ``clock`` (seconds). This module deliberately knows nothing about
-policies (which chunk to evict or compress: the memory governor decides and calls ``mark_chunks``),
-nor about KV data: it records who owns what and where it is.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from storage.chunkfile import ChunkStore
+from storage.chunkstore import ChunkStore
 from storage.codecs import codec
 from storage.errors import (AppExistsError, ChunkNotFoundError, ContextLimitError, InvalidKeyError,
                             RegistryError, StorageError, UnknownAppError, UnknownChunkError,
@@ -123,8 +123,8 @@ class ContextSummary:
 
 
 @dataclass(frozen=True, slots=True)
-class Context:
-    """A context with everything recompute needs."""
+class ContextRecord:
+    """A context row with everything recompute needs."""
 
     id: str  # opaque hex id
     app: str  # owner app name
@@ -328,11 +328,11 @@ class Registry:
             raise UnknownContextError("unknown context")  # another app's context looks the same
         return row
 
-    def get_context(self, ctx: str, app: str | None = None) -> Context:
+    def get_context(self, ctx: str, app: str | None = None) -> ContextRecord:
         """The context ``ctx`` (and, when ``app`` is given, only if that app owns it)."""
         with self._lock:
             row = self._ctx_row(ctx, app, "system_prompt, tokens, text, created, last_used")
-        return Context(ctx, row[0], row[1], _tokens(row[2]), row[3], row[4], row[5])
+        return ContextRecord(ctx, row[0], row[1], _tokens(row[2]), row[3], row[4], row[5])
 
     def list_contexts(self, app: str) -> list[ContextSummary]:
         """The app's contexts, oldest first."""
@@ -426,17 +426,17 @@ class Registry:
         density is kept when None (0 for a new row); last_use is now.
 
         Why a batch: the governor rewrites a context's rows when it evicts from it, inside a switch;
-        one statement per row with its own context check cost ~25 us a row (~2.6 ms a switch).
+        one statement per row, each with its own context check, costs time that adds up per row.
         ``durable=False`` (see :meth:`transaction`) is for evictions that write no file: they turn
         ``both`` into ``swapped`` and ``resident`` into ``missing``, which is also what
         :meth:`drop_resident` makes of the old rows after a restart, so losing them loses nothing;
-        it saves the fsync (~0.5 ms) inside a switch.
+        it saves an fsync inside a switch.
         """
         now = self._clock()
         args, out = [], []
         for r in rows:
             state = ChunkState(r.state)
-            codec(r.level)  # UnknownLevelError lists the valid names
+            codec(r.level)  # UnknownCodecError lists the valid names
             if state.on_disk != (r.file is not None) or (r.file is None) != (r.checksum is None):
                 raise ValueError(f"state {state.value} {'needs' if state.on_disk else 'takes no'} "
                                  "file and checksum")
@@ -527,8 +527,8 @@ class Registry:
     def verify(self, store: ChunkStore, *, deep: bool = True) -> VerifyReport:
         """Check every row against its chunk file and repair the rows (one transaction).
 
-        - the file is missing or fails its checks (``deep``: every frame is decompressed and
-          checksummed; otherwise header and size only): the row is marked for recompute
+        - the file is missing or fails its checks (``deep``: every payload byte is checksummed;
+          otherwise header and size only): the row is marked for recompute
           (swapped -> missing, both -> resident; file cleared);
         - a valid file for the row's chunk with another checksum, or a valid file for a row that
           names none, is newer than the row (files are written before rows): the row adopts it;
@@ -543,7 +543,7 @@ class Registry:
                 state = ChunkState(state)
                 name = store.file_name(ctx, idx)
                 try:
-                    meta = store.check(ctx, idx) if deep else store.read_meta(ctx, idx)
+                    meta = store.check(ctx, idx, deep=deep)
                 except ChunkNotFoundError:
                     if state.on_disk:
                         report.checked += 1

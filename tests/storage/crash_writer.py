@@ -23,8 +23,8 @@ import os
 import sys
 import time
 
-from storage import codecs as C
-from storage.chunkfile import ChunkStore, ChunkStoreConfig
+from storage import codecs
+from storage.chunkstore import ChunkStore, ChunkStoreConfig
 from storage.fileops import FileOps
 from storage.registry import Registry
 from tests.storage.helpers import synthetic_kv
@@ -103,9 +103,9 @@ class CompactPausingOps(PausingOps):
         super().unlink(path)
 
 
-def encoded(seed: int, n: int) -> list[tuple[int, C.EncodedChunk, int]]:
+def encoded(seed: int, n: int) -> list[tuple[int, codecs.EncodedChunk, int]]:
     """Chunks 0..n-1 of one version (seeds seed, seed + 10, ...), as write_many takes them."""
-    return [(i, C.encode(synthetic_kv(SHAPE, seed=seed + 10 * i), LEVEL), 16 * i) for i in range(n)]
+    return [(i, codecs.encode(synthetic_kv(SHAPE, seed=seed + 10 * i), LEVEL), 16 * i) for i in range(n)]
 
 
 def write_chunks(root: str, db: str, step: str, seed: int, key: str, n: int) -> None:

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from storage import chunkformat as fmt
-from storage import codecs as C
-from storage.chunkfile import ChunkStore
+from storage import codecs
+from storage.chunkstore import ChunkStore
 from storage.errors import ChunkVersionError, CorruptChunkError
-from tests.storage.helpers import synthetic_kv
+from tests.storage.helpers import read_one, synthetic_kv
 
 KEY = "feedfacecafebeef"
 FP = "test-model"
@@ -51,7 +51,7 @@ def fresh(store: ChunkStore) -> ChunkStore:
 
 def assert_rejected(store: ChunkStore, index: int = 0) -> CorruptChunkError:
     try:  # not pytest.raises: this runs thousands of times and must stay cheap
-        fresh(store).read(KEY, index)
+        read_one(fresh(store), KEY, index)
     except CorruptChunkError as e:
         assert e.code in ("chunk_corrupt", "chunk_version")
         return e
@@ -60,7 +60,7 @@ def assert_rejected(store: ChunkStore, index: int = 0) -> CorruptChunkError:
 
 def written(store, level, seed):
     """Write one chunk of synthetic K/V; its pack's bytes, header and payload offset."""
-    meta = store.write(KEY, 0, C.encode(synthetic_kv(SMALL, seed=seed), level), 0)
+    meta = store.write(KEY, 0, codecs.encode(synthetic_kv(SMALL, seed=seed), level), 0)
     good = open(store.path(KEY, 0), "rb").read()
     return good, meta.header, len(good) - meta.header.payload_nbytes
 
@@ -84,8 +84,8 @@ def test_single_byte_flips_are_detected(store, level):
         assert_rejected(store)
     assert len(positions) > 500
     put(store, good)
-    np.testing.assert_array_equal(fresh(store).read(KEY, 0).payload,
-                                  C.encode(synthetic_kv(SMALL, seed=3), level).payload)
+    np.testing.assert_array_equal(read_one(fresh(store), KEY, 0).payload,
+                                  codecs.encode(synthetic_kv(SMALL, seed=3), level).payload)
 
 
 @pytest.mark.parametrize("level", ["raw", "q4"])
@@ -101,13 +101,13 @@ def test_flips_are_detected_by_partial_reads_of_that_layer(store, level):
         layer = 1 if pos < base + h.offsets[2] else 2
         reopened = fresh(store)
         with pytest.raises(CorruptChunkError, match=f"layer {layer}: checksum"):
-            reopened.read_layers(KEY, 0, range(layer, layer + 1))
-        assert reopened.read_layers(KEY, 0, range(0, 1)).payload.shape[0] == 1
+            read_one(reopened, KEY, 0, range(layer, layer + 1))
+        assert read_one(reopened, KEY, 0, range(0, 1)).payload.shape[0] == 1
 
 
 def test_truncation_zero_length_wrong_magic_and_version(store):
     kv = synthetic_kv(SMALL, seed=4)
-    store.write(KEY, 0, C.encode(kv, "q4"), 0)
+    store.write(KEY, 0, codecs.encode(kv, "q4"), 0)
     good = open(store.path(KEY, 0), "rb").read()
     rng = np.random.default_rng(2)
     cuts = sorted(set(rng.integers(0, len(good), 300).tolist()) | {0, 1, 19, 20, len(good) - 1})
@@ -128,8 +128,8 @@ def test_truncation_zero_length_wrong_magic_and_version(store):
 
 def test_a_torn_write_mixing_two_versions_is_detected(store):
     """Header of one write, payload of another (same sizes): the frame checksums differ."""
-    a = C.encode(synthetic_kv(SMALL, seed=5), "q8")
-    b = C.encode(synthetic_kv(SMALL, seed=6), "q8")
+    a = codecs.encode(synthetic_kv(SMALL, seed=5), "q8")
+    b = codecs.encode(synthetic_kv(SMALL, seed=6), "q8")
     store.write(KEY, 0, a, 0)
     first = open(store.path(KEY, 0), "rb").read()
     store.write(KEY, 0, b, 0)
@@ -141,7 +141,7 @@ def test_a_torn_write_mixing_two_versions_is_detected(store):
 
 
 def test_pack_holding_a_chunk_outside_its_range_is_detected(store):
-    store.write(KEY, 0, C.encode(synthetic_kv(SMALL), "raw"), 0)
+    store.write(KEY, 0, codecs.encode(synthetic_kv(SMALL), "raw"), 0)
     os.replace(store.path(KEY, 0), pack_path(store, 1))
     assert "holds chunk 0, outside 1..1" in str(assert_rejected(store, 1))
 
@@ -156,7 +156,7 @@ def file_with_header(body: bytes, payload: bytes = b"", hlen: int | None = None)
 
 
 def valid_header_fields(store: ChunkStore) -> tuple[dict, bytes]:
-    store.write(KEY, 0, C.encode(synthetic_kv(SMALL), "raw"), 0)
+    store.write(KEY, 0, codecs.encode(synthetic_kv(SMALL), "raw"), 0)
     data = open(store.path(KEY, 0), "rb").read()
     hlen = struct.unpack_from("<I", data, 12)[0]
     body = data[fmt.PREFIX_NBYTES:fmt.PREFIX_NBYTES + hlen]
@@ -226,7 +226,7 @@ def hostile_block_file(store: ChunkStore, block: bytes) -> bytes:
     return file_with_header(msgpack.packb(fields), block * n)
 
 
-RAW_REC = C.CODECS["raw"].record_nbytes(SMALL[1:], "float32")  # 1024 B
+RAW_REC = codecs.CODECS["raw"].record_nbytes(SMALL[1:], "float32")  # 1024 B
 
 
 @pytest.mark.parametrize("full", [True, False])
@@ -236,7 +236,7 @@ def test_lz4_bomb_is_cut_off_at_the_record_size(store, full):
     assert len(block) < RAW_REC
     put(store, hostile_block_file(store, block))
     reopened = fresh(store)
-    read = (lambda: reopened.read(KEY, 0)) if full else (lambda: reopened.read_layers(KEY, 0, range(1, 2)))
+    read = (lambda: read_one(reopened, KEY, 0)) if full else (lambda: read_one(reopened, KEY, 0, range(1, 2)))
     elapsed, peak = bounded(lambda: pytest.raises(CorruptChunkError, read))
     assert elapsed < 0.5 and peak < 2_000_000, (elapsed, peak)
 
@@ -258,7 +258,7 @@ def test_layer_longer_than_its_record_is_rejected_unread(store):
 
 def test_records_larger_than_the_file_cap_are_refused_before_decompressing(tmp_path):
     """Small lz4 blocks could claim up to ~255x their size: the decoded total is capped too."""
-    from storage.chunkfile import ChunkStoreConfig
+    from storage.chunkstore import ChunkStoreConfig
 
     store = ChunkStore(tmp_path, ChunkStoreConfig(max_file_bytes=2 * RAW_REC), fingerprint=FP)
     put(store, hostile_block_file(store, lz4.block.compress(bytes(RAW_REC), store_size=False)))
@@ -267,7 +267,7 @@ def test_records_larger_than_the_file_cap_are_refused_before_decompressing(tmp_p
 
 
 def test_version_1_files_are_refused_with_a_typed_error(store):
-    store.write(KEY, 0, C.encode(synthetic_kv(SMALL), "q8"), 0)
+    store.write(KEY, 0, codecs.encode(synthetic_kv(SMALL), "q8"), 0)
     good = open(store.path(KEY, 0), "rb").read()
     put(store, good[:8] + struct.pack("<H", 1) + good[10:])
     err = assert_rejected(store)
@@ -275,7 +275,7 @@ def test_version_1_files_are_refused_with_a_typed_error(store):
 
 
 def test_oversized_file_is_refused_unread(tmp_path):
-    from storage.chunkfile import ChunkStoreConfig
+    from storage.chunkstore import ChunkStoreConfig
 
     store = ChunkStore(tmp_path, ChunkStoreConfig(max_file_bytes=1 << 20), fingerprint=FP)
     put(store, b"")

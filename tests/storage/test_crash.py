@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage import codecs as C
-from storage.chunkfile import ChunkStore, ChunkStoreConfig
+from storage import codecs
+from storage.chunkstore import ChunkStore, ChunkStoreConfig
 from storage.registry import ChunkState, Registry
-from tests.storage import crash_writer as W
+from tests.storage import crash_writer
+from tests.storage.helpers import read_all, read_one
 
 REPO = Path(__file__).resolve().parents[2]
 TRIALS = 20
@@ -84,8 +85,8 @@ def writer(tmp_path):
     w.close()
 
 
-def encoded(seed: int) -> C.EncodedChunk:
-    return W.encoded(seed, 1)[0][1]
+def encoded(seed: int) -> codecs.EncodedChunk:
+    return crash_writer.encoded(seed, 1)[0][1]
 
 
 def install_old_version(root: Path, db: Path) -> tuple[str, str]:
@@ -93,7 +94,7 @@ def install_old_version(root: Path, db: Path) -> tuple[str, str]:
 
     Returns (context id, checksum of the old file).
     """
-    store = ChunkStore(root, fingerprint=W.FP)
+    store = ChunkStore(root, fingerprint=crash_writer.FP)
     with Registry(str(db)) as reg:
         if "crash-app" not in reg.apps():
             reg.create_app("crash-app")
@@ -101,7 +102,7 @@ def install_old_version(root: Path, db: Path) -> tuple[str, str]:
             reg.append_tokens(ctx, list(range(16)), "sixteen tokens")
         ctx = reg.list_contexts("crash-app")[0].id
         meta = store.write(ctx, 0, encoded(OLD), 0)
-        reg.upsert_chunk(ctx, 0, state="swapped", level=W.LEVEL, file=meta.name,
+        reg.upsert_chunk(ctx, 0, state="swapped", level=crash_writer.LEVEL, file=meta.name,
                          checksum=meta.checksum, nbytes=meta.nbytes)
     return ctx, meta.checksum
 
@@ -110,16 +111,16 @@ def test_kill_at_every_step_of_a_chunk_write(writer, tmp_path):
     root, db = tmp_path / "chunks", tmp_path / "registry.db"
     versions = {OLD: encoded(OLD).payload, NEW: encoded(NEW).payload}
     # after a kill before the rename the old file stands; from the rename on the new one does
-    new_from = W.STEPS.index("fsync_dir")
-    for step_no, step in enumerate(W.STEPS):
+    new_from = crash_writer.STEPS.index("fsync_dir")
+    for step_no, step in enumerate(crash_writer.STEPS):
         for trial in range(TRIALS):
             ctx, old_sum = install_old_version(root, db)
             writer.kill_at(f"chunk {step} {NEW} {ctx}", step)
 
-            store = ChunkStore(root, fingerprint=W.FP)  # reopen: removes stale temporaries
+            store = ChunkStore(root, fingerprint=crash_writer.FP)  # reopen: removes stale temporaries
             left = [n for n in os.listdir(root / ctx) if n.endswith(".tmp")]
             assert left == [], (step, trial, left)
-            payload = store.read(ctx, 0).payload
+            payload = read_one(store, ctx, 0).payload
             expected = NEW if step_no >= new_from else OLD
             assert np.array_equal(payload, versions[expected]), (step, trial)
             assert not np.array_equal(payload, versions[OLD + NEW - expected])
@@ -132,7 +133,7 @@ def test_kill_at_every_step_of_a_chunk_write(writer, tmp_path):
                 assert report.adopted == ([(ctx, 0)] if step in ("fsync_dir", "commit") else [])
                 row = reg.chunk(ctx, 0)
                 assert row.state is ChunkState.SWAPPED
-                assert row.checksum == store.read_meta(ctx, 0).checksum  # registry agrees
+                assert row.checksum == store.check(ctx, 0, deep=False).checksum  # registry agrees
                 assert store.usage_bytes() == os.path.getsize(store.path(ctx, 0))
 
 
@@ -140,23 +141,23 @@ def test_kill_at_every_step_of_a_pack_write(writer, tmp_path):
     """Three chunks written as one pack (a write-back): after a kill they are all old or all new,
     never a mix, and the pack they were in before is gone once the new one decides them."""
     root, db = tmp_path / "chunks", tmp_path / "registry.db"
-    versions = {v: [e.payload for _, e, _ in W.encoded(v, 3)] for v in (OLD, NEW)}
-    new_from = W.STEPS.index("fsync_dir")
+    versions = {v: [e.payload for _, e, _ in crash_writer.encoded(v, 3)] for v in (OLD, NEW)}
+    new_from = crash_writer.STEPS.index("fsync_dir")
     with Registry(str(db)) as reg:
         reg.create_app("crash-app")
         ctx = reg.create_context("crash-app")
         reg.append_tokens(ctx, list(range(48)), "48 tokens")
-    for step_no, step in enumerate(W.STEPS):
+    for step_no, step in enumerate(crash_writer.STEPS):
         for trial in range(TRIALS // 2):
-            store = ChunkStore(root, fingerprint=W.FP)
+            store = ChunkStore(root, fingerprint=crash_writer.FP)
             with Registry(str(db)) as reg:
-                for i, m in enumerate(store.write_many(ctx, W.encoded(OLD, 3))):
-                    reg.upsert_chunk(ctx, i, state="swapped", level=W.LEVEL, file=m.name,
+                for i, m in enumerate(store.write_many(ctx, crash_writer.encoded(OLD, 3))):
+                    reg.upsert_chunk(ctx, i, state="swapped", level=crash_writer.LEVEL, file=m.name,
                                      checksum=m.checksum, nbytes=m.nbytes)
             writer.kill_at(f"pack {step} {NEW} {ctx}", step)
 
-            store = ChunkStore(root, fingerprint=W.FP)
-            got = store.read_many(ctx, range(3))
+            store = ChunkStore(root, fingerprint=crash_writer.FP)
+            got = read_all(store, ctx, range(3))
             expected = NEW if step_no >= new_from else OLD
             assert all(np.array_equal(g.payload, x) for g, x in zip(got, versions[expected])), (step, trial)
             names = os.listdir(root / ctx)
@@ -164,7 +165,7 @@ def test_kill_at_every_step_of_a_pack_write(writer, tmp_path):
             with Registry(str(db)) as reg:
                 report = reg.verify(store)
                 assert report.missing == [] and report.corrupt == [] and report.orphans == []
-                assert {r.checksum for r in reg.chunks(ctx)} == {store.read_meta(ctx, i).checksum
+                assert {r.checksum for r in reg.chunks(ctx)} == {store.check(ctx, i, deep=False).checksum
                                                                   for i in range(3)}
 
 
@@ -174,26 +175,28 @@ def test_kill_at_every_step_of_a_compaction(writer, tmp_path):
     no temporary or superseded pack outlives a reopen, the registry agrees, and the store takes
     the next write."""
     root, db = tmp_path / "chunks", tmp_path / "registry.db"
-    payloads = [e.payload for _, e, _ in W.encoded(OLD, 4)][:3] + [W.encoded(NEW, 4)[3][1].payload]
+    payloads = ([e.payload for _, e, _ in crash_writer.encoded(OLD, 4)][:3]
+                + [crash_writer.encoded(NEW, 4)[3][1].payload])
     with Registry(str(db)) as reg:
         reg.create_app("crash-app")
-    copied_from = W.COMPACT_STEPS.index("fsync_dir")  # from here on the copy exists
-    for step_no, step in enumerate(W.COMPACT_STEPS):
+    copied_from = crash_writer.COMPACT_STEPS.index("fsync_dir")  # from here on the copy exists
+    for step_no, step in enumerate(crash_writer.COMPACT_STEPS):
         for trial in range(TRIALS // 4):  # each stop is deterministic; trials guard against luck
-            store = ChunkStore(root, ChunkStoreConfig(max_packs=W.COMPACT_MAX_PACKS), fingerprint=W.FP)
+            store = ChunkStore(root, ChunkStoreConfig(max_packs=crash_writer.COMPACT_MAX_PACKS),
+                               fingerprint=crash_writer.FP)
             with Registry(str(db)) as reg:  # a fresh context a trial: chunks 0-2 in a pack each
                 ctx = reg.create_context("crash-app")
                 reg.append_tokens(ctx, list(range(80)), "80 tokens")
-                for i, enc, start in W.encoded(OLD, 4)[:3]:
+                for i, enc, start in crash_writer.encoded(OLD, 4)[:3]:
                     m = store.write(ctx, i, enc, start)
-                    reg.upsert_chunk(ctx, i, state="swapped", level=W.LEVEL, file=m.name,
+                    reg.upsert_chunk(ctx, i, state="swapped", level=crash_writer.LEVEL, file=m.name,
                                      checksum=m.checksum, nbytes=m.nbytes)
-                reg.upsert_chunk(ctx, 3, state="missing", level=W.LEVEL)
+                reg.upsert_chunk(ctx, 3, state="missing", level=crash_writer.LEVEL)
             assert len(store.files(ctx)) == 3 and store.compactions == 0
             writer.kill_at(f"compact {step} {NEW} {ctx}", step)
 
-            store = ChunkStore(root, fingerprint=W.FP)  # reopen: removes stale temporaries
-            got = store.read_many(ctx, range(4))
+            store = ChunkStore(root, fingerprint=crash_writer.FP)  # reopen: removes stale temporaries
+            got = read_all(store, ctx, range(4))
             assert all(np.array_equal(g.payload, x) for g, x in zip(got, payloads)), (step, trial)
             names = sorted(os.listdir(root / ctx))
             assert not [n for n in names if n.endswith(".tmp")], (step, trial, names)
@@ -208,15 +211,15 @@ def test_kill_at_every_step_of_a_compaction(writer, tmp_path):
                 report = reg.verify(store)
                 assert report.missing == [] and report.corrupt == [] and report.orphans == []
                 assert report.adopted == ([] if step == "done" else [(ctx, 3)]), (step, trial)
-                assert [r.checksum for r in reg.chunks(ctx)] == [store.read_meta(ctx, i).checksum
+                assert [r.checksum for r in reg.chunks(ctx)] == [store.check(ctx, i, deep=False).checksum
                                                                 for i in range(4)]
-            _, enc, start = W.encoded(NEW, 5)[4]
+            _, enc, start = crash_writer.encoded(NEW, 5)[4]
             m = store.write(ctx, 4, enc, start)
             with Registry(str(db)) as reg:
-                reg.upsert_chunk(ctx, 4, state="swapped", level=W.LEVEL, file=m.name,
+                reg.upsert_chunk(ctx, 4, state="swapped", level=crash_writer.LEVEL, file=m.name,
                                  checksum=m.checksum, nbytes=m.nbytes)
-            assert np.array_equal(store.read(ctx, 4).payload, enc.payload)
-            assert all(np.array_equal(g.payload, x) for g, x in zip(store.read_many(ctx, range(4)), payloads))
+            assert np.array_equal(read_one(store, ctx, 4).payload, enc.payload)
+            assert all(np.array_equal(g.payload, x) for g, x in zip(read_all(store, ctx, range(4)), payloads))
 
 
 def test_kill_in_the_middle_of_a_registry_transaction(writer, tmp_path):
@@ -235,7 +238,7 @@ def test_kill_in_the_middle_of_a_registry_transaction(writer, tmp_path):
 
 
 def test_storage_imports_neither_torch_nor_ray():
-    code = ("import sys, storage.codecs, storage.chunkfile, storage.chunkformat, storage.registry, "
+    code = ("import sys, storage.codecs, storage.chunkstore, storage.chunkformat, storage.registry, "
             "storage.errors, storage.fileops, storage.throttle; "
             "print(sorted(m for m in ('torch', 'ray', 'pickle') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=REPO,

@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 
 from storage import chunkformat as fmt
-from storage import codecs as C
-from storage.chunkfile import ChunkStore, ChunkStoreConfig
+from storage import codecs
+from storage.chunkstore import ChunkStore, ChunkStoreConfig
 from storage.errors import ChunkNotFoundError, CorruptChunkError, StorageError
 from storage.fileops import FileOps
-from tests.storage.helpers import synthetic_kv
+from tests.storage.helpers import read_all, read_one, synthetic_kv
 
 KEY = "00112233445566778899aabbccddeeff"
 FP = "pack-test-model"
 SMALL = (3, 2, 1, 16, 8)
 
 
-def encs(n: int, level: str = "q8", seed: int = 0) -> list[C.EncodedChunk]:
-    return [C.encode(synthetic_kv(SMALL, seed=seed + i), level) for i in range(n)]
+def encs(n: int, level: str = "q8", seed: int = 0) -> list[codecs.EncodedChunk]:
+    return [codecs.encode(synthetic_kv(SMALL, seed=seed + i), level) for i in range(n)]
 
 
 def folder(store: ChunkStore) -> list[str]:
@@ -31,7 +31,7 @@ def reopen(store: ChunkStore, **kw) -> ChunkStore:
     return ChunkStore(store.root, kw.get("config", store.config), fingerprint=FP)
 
 
-def same(a: C.EncodedChunk, b: C.EncodedChunk) -> bool:
+def same(a: codecs.EncodedChunk, b: codecs.EncodedChunk) -> bool:
     return (a.level, a.shape, a.params) == (b.level, b.shape, b.params) and np.array_equal(a.payload, b.payload)
 
 
@@ -64,10 +64,10 @@ def test_a_write_back_is_one_pack_and_comes_back_in_one_read(tmp_path):
     again = ChunkStore(tmp_path, fingerprint=FP, fs=ops)
     assert again.indices(KEY) == list(range(10))  # the scan: one open, a header read per record
     ops.reads = ops.opens = 0
-    got = list(again.read_each(KEY, range(10)))
+    got = list(again.read(KEY, range(10)))
     assert [i for i, _ in got] == list(range(10)) and all(same(g, x) for (_, g), x in zip(got, e))
     assert (ops.opens, ops.reads) == (1, 2)  # the scan parsed the headers: one open, 4 KiB, the rest
-    assert [again.read_meta(KEY, i).checksum for i in range(10)] == [m.checksum for m in metas]
+    assert [again.check(KEY, i, deep=False).checksum for i in range(10)] == [m.checksum for m in metas]
 
 
 def test_chunks_that_are_not_consecutive_get_a_pack_per_run(tmp_path):
@@ -76,7 +76,7 @@ def test_chunks_that_are_not_consecutive_get_a_pack_per_run(tmp_path):
     store.write_many(KEY, [(5, e[5], 80), (0, e[0], 0), (1, e[1], 16), (3, e[3], 48)])
     assert folder(store) == ["000000000000.00000000-00000001.kvp", "000000000001.00000003-00000003.kvp",
                              "000000000002.00000005-00000005.kvp"]
-    got = dict(reopen(store).read_each(KEY, [5, 3, 1, 0, 2]))
+    got = dict(reopen(store).read(KEY, [5, 3, 1, 0, 2]))
     assert isinstance(got[2], ChunkNotFoundError)
     assert all(same(got[i], e[i]) for i in (0, 1, 3, 5))
     with pytest.raises(ValueError):
@@ -90,7 +90,7 @@ def test_a_large_write_back_is_cut_into_packs_of_pack_bytes(tmp_path):
     store.write_many(KEY, [(i, x, 16 * i) for i, x in enumerate(e)])
     assert folder(store) == ["000000000000.00000000-00000002.kvp", "000000000001.00000003-00000005.kvp",
                              "000000000002.00000006-00000008.kvp", "000000000003.00000009-00000009.kvp"]
-    assert all(same(g, x) for g, x in zip(reopen(store).read_many(KEY, range(10)), e))
+    assert all(same(g, x) for g, x in zip(read_all(reopen(store), KEY, range(10)), e))
 
 
 def test_newer_records_win_and_replaced_packs_go(tmp_path):
@@ -100,7 +100,7 @@ def test_newer_records_win_and_replaced_packs_go(tmp_path):
     store.write_many(KEY, [(3, new[3], 48)])  # the partial last chunk, rewritten
     store.write_many(KEY, [(1, new[1], 16), (2, new[2], 32)])
     for s in (store, reopen(store)):
-        got = s.read_many(KEY, range(4))
+        got = read_all(s, KEY, range(4))
         assert [g.level for g in got] == ["q8", "q4", "q4", "q4"]
         assert all(same(g, x) for g, x in zip(got, [old[0], *new[1:]]))
     store.write_many(KEY, [(0, new[0], 0)])  # now the first pack holds nothing current: removed
@@ -117,7 +117,7 @@ def test_a_deleted_chunk_stays_deleted_after_a_restart(tmp_path):
     again = reopen(store)
     assert again.indices(KEY) == [0, 1, 3, 4]
     with pytest.raises(ChunkNotFoundError):
-        again.read(KEY, 2)
+        read_one(again, KEY, 2)
     again.write_many(KEY, [(i, e[i], 16 * i) for i in (0, 1, 3, 4)])  # the old pack is now dead ...
     assert folder(again) == ["000000000002.00000000-00000001.kvp", "000000000003.00000003-00000004.kvp"]
     assert reopen(store).indices(KEY) == [0, 1, 3, 4]  # ... and so is the marker: both removed
@@ -138,8 +138,8 @@ def test_compaction_bounds_the_packs_and_keeps_every_record(tmp_path):
     assert "000000000000.00000000-00000019.kvp" in folder(store)  # the big pack was kept
     for s in (store, reopen(store)):
         assert s.indices(KEY) == list(range(40))
-        assert all(same(g, e[i]) for i, g in enumerate(s.read_many(KEY, range(40))))
-        assert {i: s.read_meta(KEY, i).checksum for i in range(40)} == sums  # copied verbatim
+        assert all(same(g, e[i]) for i, g in enumerate(read_all(s, KEY, range(40))))
+        assert {i: s.check(KEY, i, deep=False).checksum for i in range(40)} == sums  # copied verbatim
     assert store.usage_bytes() == sum(os.path.getsize(p) for p in store.files(KEY))
 
 
@@ -149,12 +149,12 @@ def test_mostly_superseded_packs_are_compacted(tmp_path):
     store.write_many(KEY, [(i, x, 16 * i) for i, x in enumerate(e)])
     for i in range(5):  # dropped one at a time: the pack is soon mostly superseded
         store.delete(KEY, i)
-        live = sum(store.read_meta(KEY, j).nbytes for j in store.indices(KEY))
+        live = sum(store.check(KEY, j, deep=False).nbytes for j in store.indices(KEY))
         assert store.usage_bytes() <= 2 * live + 64 * 8
     assert store.compactions == 1 and store.indices(KEY) == [5, 6, 7]
     again = reopen(store)
     assert again.indices(KEY) == [5, 6, 7]
-    assert all(same(g, x) for g, x in zip(again.read_many(KEY, range(5, 8)), e[5:]))
+    assert all(same(g, x) for g, x in zip(read_all(again, KEY, range(5, 8)), e[5:]))
 
 
 def test_damage_in_a_pack_is_kept_to_its_range(tmp_path):
@@ -169,11 +169,11 @@ def test_damage_in_a_pack_is_kept_to_its_range(tmp_path):
     again = reopen(store)
     for i in range(4):  # the whole pack: its contents are unknown
         with pytest.raises(CorruptChunkError, match="is damaged"):
-            again.read(KEY, i)
-    assert all(same(again.read(KEY, i), e[i]) for i in range(4, 8))
+            read_one(again, KEY, i)
+    assert all(same(read_one(again, KEY, i), e[i]) for i in range(4, 8))
     again.write(KEY, 2, e[2], 32)  # a newer record of chunk 2 is readable again
-    assert same(again.read(KEY, 2), e[2]) and first in again.files(KEY)  # the damaged pack stays
-    got = dict(again.read_each(KEY, range(8)))
+    assert same(read_one(again, KEY, 2), e[2]) and first in again.files(KEY)  # the damaged pack stays
+    got = dict(again.read(KEY, range(8)))
     assert [type(got[i]).__name__ for i in range(8)] == ["CorruptChunkError"] * 2 + ["EncodedChunk"] + \
         ["CorruptChunkError"] + ["EncodedChunk"] * 4
 
@@ -196,7 +196,7 @@ def test_no_flipped_byte_or_cut_of_a_pack_returns_wrong_data(tmp_path):
         else:
             bad = bad[:cut]
         open(path, "wb").write(bytes(bad))
-        for i, got in reopen(store).read_each(KEY, range(3)):
+        for i, got in reopen(store).read(KEY, range(3)):
             if isinstance(got, StorageError):
                 rejected += 1
             else:
@@ -211,10 +211,10 @@ def test_format_2_chunk_files_are_read_and_then_replaced(tmp_path):
     d = os.path.join(store.root, KEY)
     os.replace(store.path(KEY, 1), os.path.join(d, "00000001.kvc"))  # what session 11's store wrote
     again = reopen(store)
-    assert again.indices(KEY) == [1] and same(again.read(KEY, 1), e[1])
+    assert again.indices(KEY) == [1] and same(read_one(again, KEY, 1), e[1])
     again.write(KEY, 1, e[0], 16)
     assert folder(again) == ["000000000000.00000001-00000001.kvp"]
-    assert same(reopen(store).read(KEY, 1), e[0])
+    assert same(read_one(reopen(store), KEY, 1), e[0])
 
 
 def test_a_crash_before_the_old_packs_go_leaves_them_to_the_next_open(tmp_path):
@@ -225,12 +225,11 @@ def test_a_crash_before_the_old_packs_go_leaves_them_to_the_next_open(tmp_path):
     store = ChunkStore(tmp_path, fingerprint=FP)
     e, f = encs(3), encs(3, "q4", seed=7)
     store.write_many(KEY, [(i, x, 16 * i) for i, x in enumerate(e)])
-    dying = reopen(store)
-    dying.fs = NoUnlink()
+    dying = ChunkStore(store.root, fingerprint=FP, fs=NoUnlink())
     with pytest.raises(KeyboardInterrupt):
         dying.write_many(KEY, [(i, x, 16 * i) for i, x in enumerate(f)])
     assert len(folder(store)) == 2
     again = reopen(store)
-    assert all(same(g, x) for g, x in zip(again.read_many(KEY, range(3)), f))
+    assert all(same(g, x) for g, x in zip(read_all(again, KEY, range(3)), f))
     assert folder(again) == ["000000000001.00000000-00000002.kvp"]
     assert again.usage_bytes() == os.path.getsize(again.files(KEY)[0])

@@ -9,10 +9,10 @@ import sqlite3
 import numpy as np
 import pytest
 
-from storage import codecs as C
-from storage.chunkfile import ChunkStore
+from storage import codecs
+from storage.chunkstore import ChunkStore
 from storage.errors import (AppExistsError, ContextLimitError, InvalidKeyError, UnknownAppError,
-                            UnknownChunkError, UnknownContextError, UnknownLevelError)
+                            UnknownChunkError, UnknownContextError, UnknownCodecError)
 from storage.registry import ChunkRow, ChunkState, Registry, RegistryConfig
 from tests.storage.helpers import synthetic_kv
 
@@ -61,7 +61,7 @@ def rows(path) -> dict[str, list]:
 
 
 def write_chunk(reg, store, ctx, i, level="q4", state="swapped", seed=0):
-    meta = store.write(ctx, i, C.encode(synthetic_kv((2, 2, 1, 16, 8), seed=seed), level), 16 * i)
+    meta = store.write(ctx, i, codecs.encode(synthetic_kv((2, 2, 1, 16, 8), seed=seed), level), 16 * i)
     reg.upsert_chunk(ctx, i, state=state, level=level, file=meta.name, checksum=meta.checksum,
                      nbytes=meta.nbytes, density=0.1 * i)
     return meta
@@ -193,7 +193,7 @@ def test_chunk_rows_and_states(reg, store, clock):
     # keep density when not given
     reg.upsert_chunk(ctx, 1, state="missing", level="q2")
     assert reg.chunk(ctx, 1).density == 0.7
-    with pytest.raises(UnknownLevelError, match="raw, fp16, bf16, q8, q4, q2"):
+    with pytest.raises(UnknownCodecError, match="raw, fp16, bf16, q8, q4, q2"):
         reg.upsert_chunk(ctx, 2, state="resident", level="int3")
     with pytest.raises(ValueError):
         reg.upsert_chunk(ctx, 2, state="swapped", level="q8")  # swapped needs a file
@@ -222,7 +222,7 @@ def test_upsert_chunks_writes_a_batch_all_or_nothing(tmp_path, reg, store):
         (0, ChunkState.MISSING, "q8", 0.5), (1, ChunkState.RESIDENT, "q4", 0.25), (2, ChunkState.RESIDENT, "q2", 0.0)]
     assert reg.chunks(ctx) == got  # what it returns is what is stored
     before = rows(tmp_path / "reg.db")
-    for bad, err in [(ChunkRow(7, "resident", "int3"), UnknownLevelError), (ChunkRow(7, "swapped", "q8"), ValueError),
+    for bad, err in [(ChunkRow(7, "resident", "int3"), UnknownCodecError), (ChunkRow(7, "swapped", "q8"), ValueError),
                      (ChunkRow(-1, "resident", "q8"), InvalidKeyError)]:
         with pytest.raises(err):  # a bad row late in a batch: the rows before it are not written
             reg.upsert_chunks(ctx, [ChunkRow(0, "resident", "raw"), ChunkRow(3, "resident", "raw"), bad])
@@ -316,7 +316,7 @@ def test_verify_marks_missing_and_corrupt_files_for_recompute(reg, store):
     open(store.path(ctx, 3), "wb").close()  # zero length, row in state "both"
     q = store.path(ctx, 4)  # truncated
     open(q, "r+b").truncate(os.path.getsize(q) - 7)
-    orphan = store.write(ctx, 9, C.encode(synthetic_kv((2, 2, 1, 16, 8)), "q2"), 144).name
+    orphan = store.write(ctx, 9, codecs.encode(synthetic_kv((2, 2, 1, 16, 8)), "q2"), 144).name
 
     shallow = reg.verify(store, deep=False)
     assert shallow.missing == [(ctx, 1)]
@@ -341,9 +341,9 @@ def test_verify_adopts_a_file_newer_than_its_row(reg, store):
     ctx = reg.create_context("a")
     reg.append_tokens(ctx, range(32), "x")
     write_chunk(reg, store, ctx, 0, level="q8")
-    newer = store.write(ctx, 0, C.encode(synthetic_kv((2, 2, 1, 16, 8), seed=9), "q4"), 0)
+    newer = store.write(ctx, 0, codecs.encode(synthetic_kv((2, 2, 1, 16, 8), seed=9), "q4"), 0)
     reg.upsert_chunk(ctx, 1, state="missing", level="raw")
-    first = store.write(ctx, 1, C.encode(synthetic_kv((2, 2, 1, 16, 8)), "q2"), 16)
+    first = store.write(ctx, 1, codecs.encode(synthetic_kv((2, 2, 1, 16, 8)), "q2"), 16)
     report = reg.verify(store)
     assert sorted(report.adopted) == [(ctx, 0), (ctx, 1)] and report.marked == 0
     r0, r1 = reg.chunks(ctx)

@@ -1,19 +1,18 @@
-"""The compiled codec kernels (storage/kvquant.c via storage/native.py): the same bytes and values as
-the numpy reference at every quantized level, and a build that falls back cleanly."""
+"""The compiled storage kernels (built by engine.native): storage/kvquant.c gives the same bytes and
+values as the numpy reference at every quantized level, storage/crc32.c the same numbers as zlib, and
+the codecs fall back cleanly without a compiler."""
 
 from __future__ import annotations
 
-import os
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from storage import codecs as C
-from storage import native
+from engine import native
+from storage import codecs, floatcast, quantize
 from tests.storage.helpers import assert_within_quant_bound, synthetic_kv
 
 QUANT = ("q8", "q4", "q2")
@@ -24,7 +23,7 @@ def kernels():
     """The kernels must build on the test machine (CI has a C compiler); LLMAAS_NATIVE=0 skips."""
     if not native.enabled():
         pytest.skip("native kernels switched off (LLMAAS_NATIVE=0)")
-    lib = C._kvq()
+    lib = quantize.kernels()
     assert lib is not None, "storage/kvquant.c did not build here (see the RuntimeWarning)"
     assert lib.kvq_encode_f16 is not None, "the compiler has no _Float16: the fused encode is missing"
     return lib
@@ -34,11 +33,11 @@ def both(monkeypatch, kv: np.ndarray, level: str, out_shape) -> dict[bool, tuple
     """(params, payload bytes, decoded bytes) with the kernels on and with the numpy reference."""
     got = {}
     for use in (True, False):
-        monkeypatch.setattr(C, "USE_NATIVE", use)
-        monkeypatch.setattr(C, "USE_TORCH", use)  # the reference: numpy only
-        enc = C.encode(kv, level)
+        monkeypatch.setattr(quantize, "USE_NATIVE", use)
+        monkeypatch.setattr(floatcast, "USE_TORCH", use)  # the reference: numpy only
+        enc = codecs.encode(kv, level)
         out = np.full(out_shape, np.nan, np.float32)[:, :, :, 8 : 8 + kv.shape[3]]  # a strided slot
-        C.decode(enc, out=out)
+        codecs.decode(enc, out=out)
         got[use] = (enc.params, enc.payload.tobytes(), out.tobytes())
     return got
 
@@ -73,9 +72,9 @@ def test_nan_is_refused_on_both_paths(monkeypatch, kernels):
     x = synthetic_kv((2, 2, 1, 16, 8))
     x[1, 0, 0, 5, 3] = np.nan
     for use in (True, False):
-        monkeypatch.setattr(C, "USE_NATIVE", use)
+        monkeypatch.setattr(quantize, "USE_NATIVE", use)
         with pytest.raises(ValueError, match="inf or nan"):
-            C.encode(x, "q4")
+            codecs.encode(x, "q4")
 
 
 @settings(max_examples=40, deadline=None)
@@ -87,11 +86,11 @@ def test_kernels_match_the_reference_on_any_shape(kernels, nl, h, t, d, scale, o
     got = {}
     try:
         for use in (True, False):
-            C.USE_NATIVE = C.USE_TORCH = use
-            enc = C.encode(x, level)
-            got[use] = (enc.params, enc.payload.tobytes(), C.decode(enc).tobytes())
+            quantize.USE_NATIVE = floatcast.USE_TORCH = use
+            enc = codecs.encode(x, level)
+            got[use] = (enc.params, enc.payload.tobytes(), codecs.decode(enc).tobytes())
     finally:
-        C.USE_NATIVE = C.USE_TORCH = True
+        quantize.USE_NATIVE = floatcast.USE_TORCH = True
     assert got[True] == got[False]
 
 
@@ -112,83 +111,43 @@ def test_streaming_stores_give_the_same_values(kernels, level, params):
     x = synthetic_kv((3, 2, 3, 16, 64), seed=5)
     if params == "f32":
         x.flat[0] = 70000.0  # needs float32 parameters
-    enc = C.encode(x, level)
+    enc = codecs.encode(x, level)
     assert enc.params == params
-    ref = C.decode(enc).tobytes()
+    ref = codecs.decode(enc).tobytes()
     for offset in (0, 1):  # aligned: non-temporal stores; one float off: the ordinary loop
         ws = _aligned_f32((3, 2, 3, 64, 64), offset)
         ws[:] = -7.0
-        got = C.decode(enc, out=ws[:, :, :, 16:32], stream=True)
+        got = codecs.decode(enc, out=ws[:, :, :, 16:32], stream=True)
         assert np.ascontiguousarray(got).tobytes() == ref
         assert (ws[:, :, :, :16] == -7.0).all() and (ws[:, :, :, 32:] == -7.0).all()
     whole = _aligned_f32(enc.shape)
-    assert C.decode(enc, out=whole, stream=True).tobytes() == ref
+    assert codecs.decode(enc, out=whole, stream=True).tobytes() == ref
 
 
 def test_read_only_payload_decodes_in_place(kernels):
     """A payload straight out of the object store is read-only: the kernel reads it without a copy."""
-    enc = C.encode(synthetic_kv(), "q2")
+    enc = codecs.encode(synthetic_kv(), "q2")
     ro = enc.payload.copy()
     ro.flags.writeable = False
     from dataclasses import replace
 
-    np.testing.assert_array_equal(C.decode(replace(enc, payload=ro)), C.decode(enc))
+    np.testing.assert_array_equal(codecs.decode(replace(enc, payload=ro)), codecs.decode(enc))
 
 
-def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
-    if native._compiler() is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("LLMAAS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "_loaded", {})
-    lib = native.load("kvquant")
-    assert lib is not None
-    built = sorted(os.listdir(tmp_path / "kernels"))
-    assert len(built) == 1 and built[0].startswith("kvquant-") and built[0].endswith(".so")  # no temporaries
-    mtime = (tmp_path / "kernels" / built[0]).stat().st_mtime_ns
-    monkeypatch.setattr(native, "_loaded", {})
-    assert native.load("kvquant") is not None
-    assert (tmp_path / "kernels" / built[0]).stat().st_mtime_ns == mtime  # reused, not rebuilt
-
-
-def test_missing_compiler_warns_once_and_falls_back(monkeypatch, tmp_path):
+def test_missing_compiler_falls_back_to_the_reference(monkeypatch, tmp_path):
+    """Without a compiler the quantized codecs run their numpy/torch path (engine.native warns)."""
     monkeypatch.setenv("LLMAAS_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(C, "_kvq_lib", [])
+    monkeypatch.setattr(quantize, "_KERNELS", [])
     with pytest.warns(RuntimeWarning, match="no C compiler"):
-        assert C._kvq() is None
+        assert quantize.kernels() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert native.load("kvquant") is None  # remembered: no second warning, no second attempt
+        assert quantize.kernels() is None  # remembered: no second warning, no second attempt
         x = synthetic_kv((2, 2, 3, 16, 64))
-        enc = C.encode(x, "q8")  # the numpy/torch path
-        assert_within_quant_bound(x, enc, C.decode(enc))
-    assert not (tmp_path / "kernels").exists() or not os.listdir(tmp_path / "kernels")
-
-
-def test_failed_build_falls_back_to_other_flags_quietly(monkeypatch, tmp_path):
-    """A build whose flags the compiler rejects (as -fopenmp without an OpenMP runtime) gives way to the
-    fallback flags without a warning; with no fallback it warns and returns None."""
-    if native._compiler() is None:
-        pytest.skip("no C compiler")
-    monkeypatch.setenv("LLMAAS_CACHE_DIR", str(tmp_path))
-    bad = native.EXACT_FLAGS + ("-fno-such-option-here",)
-    monkeypatch.setattr(native, "_loaded", {})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        lib = native.load("kvquant", flags=bad, fallback_flags=native.EXACT_FLAGS)
-    assert lib is not None and hasattr(lib, "kvq_minmax")
-    source = Path(native.__file__).with_name("kvquant.c")
-    assert os.listdir(tmp_path / "kernels") == [native.library_path("kvquant", source, native._compiler()).name]
-    monkeypatch.setattr(native, "_loaded", {})
-    with pytest.warns(RuntimeWarning, match="unavailable"):
-        assert native.load("kvquant", flags=bad) is None
-
-
-def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    monkeypatch.setattr(native, "_loaded", {})
-    assert not native.enabled() and native.load("kvquant") is None
+        enc = codecs.encode(x, "q8")  # the numpy/torch path
+        assert_within_quant_bound(x, enc, codecs.decode(enc))
 
 
 # -- crc32 (storage/crc32.c) --------------------------------------------------------------------------

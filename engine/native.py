@@ -1,11 +1,19 @@
-"""Native kernels: C sources shipped in this package, compiled at first use with the machine's C
-compiler into the cache folder, and loaded with ctypes.
+"""Native kernels: C sources shipped beside the modules that use them, compiled at first use with
+the machine's C compiler into the cache folder, and loaded with ctypes.
 
-Why: the quantized codecs' hot loops (storage/kvquant.c) are memory-bound single passes that numpy
-and torch can only express as several passes over temporaries; in C each is one pass (numbers in
-docs/benchmarks.md, "Native codec kernels"). The C code does the reference's arithmetic operation
-for operation (no fused multiply-add), so the bytes are the same either way, and every caller keeps
-its numpy/torch path: without a compiler, or with ``LLMAAS_NATIVE=0``, nothing changes but speed.
+This module deliberately knows nothing about what a kernel computes or its C signatures (callers
+declare those), nor about the model: it is a leaf of the engine package that imports only the
+standard library (no torch, no other engine module), so storage can use it and a store-only process
+stays light. It is the one place that knows how to build and load C. Users: the codec kernels
+(storage/kvquant.c, storage.quantize), the chunk-read checksum (storage/crc32.c,
+storage.chunkformat) and the engine's attention kernel (engine/attention.c, engine.model).
+
+Why: hot loops such as the quantized codecs' (storage/kvquant.c) are memory-bound single passes that
+numpy and torch can only express as several passes over temporaries; in C each is one pass
+(docs/benchmarks.md, "Native codec kernels"). Kernels that must match a reference do its arithmetic
+operation for operation (no fused multiply-add), so the bytes are the same either way, and every
+caller keeps its numpy/torch path: without a compiler, or with ``LLMAAS_NATIVE=0``, nothing changes
+but speed.
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -shared -fPIC`` (and ``-ffp-contract=off`` for
 kernels that must match a reference bit for bit), into
@@ -15,10 +23,6 @@ another CPU that shares the cache folder). The library is written under a tempor
 so processes that start at once each compile and the last rename wins, never a torn file. A failed
 build warns once per process and leaves the fallback in place. ctypes releases the GIL around every
 call, so callers may run kernels on several threads.
-
-The chunk-read checksum (storage/crc32.c, used by storage.chunkformat.crc32) and the engine's
-attention kernel (engine/attention.c) are built the same way; this module is the one place that
-knows how to build and load C. No torch, no Ray: a store-only process stays light.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def enabled() -> bool:
 
 def kernel_dir() -> Path:
     """Where compiled kernels are cached: ``$LLMAAS_CACHE_DIR/kernels`` or ``~/.cache/llmaas/kernels``
-    (the model cache's root, as engine.loader.cache_root; storage does not import the engine)."""
+    (the model cache's root, as engine.loader.cache_root, not imported so this module stays a leaf)."""
     env = os.environ.get("LLMAAS_CACHE_DIR")
     return (Path(env) if env else Path.home() / ".cache" / "llmaas") / "kernels"
 
@@ -110,10 +114,11 @@ def build(name: str, source: Path, cc: str, flags: tuple[str, ...] = EXACT_FLAGS
     return target
 
 
-def load(name: str, source: Path | None = None, flags: tuple[str, ...] = EXACT_FLAGS,
+def load(name: str, source: Path, flags: tuple[str, ...] = EXACT_FLAGS,
          fallback_flags: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
-    """The compiled library ``name`` (from ``source``, default ``storage/<name>.c``), or None when native
-    kernels are off or cannot be built here (a warning says why, once per process). Built on first use.
+    """The compiled library ``name`` built from the C file ``source``, or None when native kernels
+    are off or cannot be built here (a warning says why, once per process). Built on first use; one
+    library per name in a process.
     When the build with ``flags`` fails and ``fallback_flags`` is given, that build is tried quietly
     (e.g. without ``-fopenmp`` where the compiler has no OpenMP runtime)."""
     if not enabled():
@@ -122,7 +127,6 @@ def load(name: str, source: Path | None = None, flags: tuple[str, ...] = EXACT_F
         if name in _loaded:
             return _loaded[name]
         lib = None
-        source = source or Path(__file__).with_name(f"{name}.c")
         cc = _compiler()
         try:
             if cc is None:
