@@ -4,23 +4,32 @@ linear models T_re(x) and T_io(m) and the per-chunk de-quantization cost of each
 cache the profile per machine, model, thread count, chunk size and storage throttle.
 
 It runs in a scratch directory with a throwaway context of real K/V, takes a few seconds, and is
-reused on later starts (`llmaas profile` runs it again). Tests inject a profile instead.
+reused on later starts (`llmaas profile` runs it again). Tests inject a profile instead. The cache
+(:class:`ProfileCache`, JSON files keyed by :class:`ProfileKey`) lives here, beside the one caller
+that measures, so that `scheduler.pipeline` stays free of files: it only fits and plans.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import re
+import socket
 import sys
 import tempfile
 import time
 from collections import deque
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from engine.loader import cache_root
-from scheduler.pipeline import CostProfile, ProfileCache, ProfileKey
+from scheduler.pipeline import CostProfile
 from storage import codecs
-from storage.chunkfile import ChunkStore, ChunkStoreConfig
+from storage.chunkstore import ChunkStore, ChunkStoreConfig
 
 #: part of a cached profile's identity: bump it when a change makes the measured paths (recompute,
 #: chunk reads, de-quantizing) materially faster or slower, so cached profiles are measured again
@@ -32,6 +41,74 @@ PROFILE_VERSION = 5
 PROFILE_TOKENS = 1024
 RECOMPUTE_POINTS = (1, 2, 4, 8)
 IO_LEVELS = ("q2", "q4", "q8", "fp16", "raw")
+
+
+def machine_id() -> str:
+    """This machine as profiles know it: hostname and CPU count."""
+    return f"{socket.gethostname()}/{os.cpu_count()}cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileKey:
+    """What a cost profile depends on."""
+
+    machine: str  # machine_id() of the profiled machine
+    model: str  # model fingerprint, given by the caller
+    throttle_bps: float  # storage read throttle, bytes/s; 0 = none
+
+    @classmethod
+    def local(cls, model: str, throttle_bps: float = 0.0) -> ProfileKey:
+        """The key for this machine."""
+        return cls(machine_id(), model, float(throttle_bps))
+
+    def filename(self) -> str:
+        """A file name unique to the key: a readable slug and a hash of the whole key."""
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{self.machine}_{self.model}")[:80]
+        return f"{slug}-{digest[:16]}.json"
+
+
+class ProfileCache:
+    """Fitted profiles as JSON files under ``root``, one per :class:`ProfileKey`.
+
+    ``get`` treats a missing, unreadable, other-version or other-key file as a miss (``None``): the
+    caller profiles again and ``put`` replaces it atomically (temp file, fsync, rename).
+    """
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def path(self, key: ProfileKey) -> Path:
+        """Where ``key``'s profile lives (whether or not it exists)."""
+        return self.root / key.filename()
+
+    def get(self, key: ProfileKey) -> CostProfile | None:
+        """The cached profile of ``key``, or ``None`` (a miss; see the class docstring)."""
+        try:
+            doc = json.loads(self.path(key).read_text())
+            if doc.get("key") != json.loads(json.dumps(asdict(key))):
+                return None
+            return CostProfile.from_json(json.dumps(doc["profile"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def put(self, key: ProfileKey, profile: CostProfile) -> Path:
+        """Store ``profile`` as ``key``'s, replacing any older one atomically; returns its path."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"key": asdict(key), "profile": json.loads(profile.to_json())},
+                          sort_keys=True, indent=1)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".profile-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return self.path(key)
 
 
 def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKENS, progress: bool = True) -> CostProfile:
@@ -72,10 +149,10 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
             key = f"{abs(hash(level)) & 0xFFFFFFFF:08x}"
             encs = [codecs.encode(cache.export_chunk(i), level, dtype=dtype) for i in range(min(n, 32))]
             sizes = [m.nbytes for m in store.write_many(key, [(i, e, i * c) for i, e in enumerate(encs)])]
-            for _ in store.read_each(key, range(len(encs))):  # untimed: the first read of a process
+            for _ in store.read(key, range(len(encs))):  # untimed: the first read of a process
                 pass  # builds the crc32 kernel (~0.6 s on a machine without its cached build)
             for k in (8, len(encs)):  # two counts per level: chunks and bytes vary independently
-                io.append((sum(sizes[:k]), _median_of_3(lambda: deque(store.read_each(key, range(k)), maxlen=0))))
+                io.append((sum(sizes[:k]), _median_of_3(lambda: deque(store.read(key, range(k)), maxlen=0))))
                 dec.append((level, k, _median_of_3(lambda: decode(encs[:k]))))
             if progress:
                 print(f"llmaas profile: {len(encs)} chunks at {level}: read {sum(sizes) / 1e6:.1f} MB "

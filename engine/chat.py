@@ -1,13 +1,13 @@
 """Tokenizer and chat template, turned into the token ids a context grows by.
 
-A context is a conversation whose token ids are the source of truth (DESIGN.md §3): the ids the model
+This module deliberately knows nothing about the model, KV caches or sampling.
+
+A context is a conversation whose token ids are the source of truth (docs/design.md §3): the ids the model
 generated are kept as they are, never replaced by a re-tokenization of their text. The template is
 rendered with a private-use sentinel in place of each assistant reply, so the ids of a turn are found
 by rendering the conversation before and after it and tokenizing only the new text. For ChatML-style
 templates (SmolLM2, Qwen2) that equals tokenizing each segment between replies and splicing the
 generated ids in; `conversation_ids` is that reference.
-
-This module knows nothing about the model, KV caches or sampling.
 """
 
 from __future__ import annotations

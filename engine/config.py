@@ -1,8 +1,10 @@
 """Configuration dataclasses for the transformer engine.
 
+This module deliberately knows nothing about files, Ray or tokenization: it is values and their checks.
+
 `ModelConfig` describes a Llama-family architecture (Llama, SmolLM, Qwen2) as read from a Hugging Face
-`config.json`; `EngineConfig` says where and how the engine runs it. Neither knows about files, Ray or
-tokenization.
+`config.json` (already parsed into a dict by the caller); `EngineConfig` says where and how the engine
+runs it.
 """
 
 from __future__ import annotations
@@ -70,11 +72,6 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         object.__setattr__(self, "group", self.n_heads // self.n_kv_heads)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers, per byte of element size."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":

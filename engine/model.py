@@ -1,6 +1,9 @@
 """The transformer forward pass, written here: Llama-family decoder (Llama, SmolLM, Qwen2) over a chunked
 KV cache.
 
+This module deliberately knows nothing about tokenization, chat templates, files, memory management
+or Ray: it turns token ids at positions into K/V and logits.
+
 Pieces: RMSNorm, rotary embedding at arbitrary (global) positions, grouped-query attention against the
 context's K/V with a causal mask expressed in positions, SwiGLU MLP, tied or untied LM head. Every
 forward is a list of query rows at given positions; prefill, decode and recompute of interleaved chunks
@@ -11,15 +14,14 @@ forward is a list of query rows at given positions; prefill, decode and recomput
 - recompute: the tokens of the missing chunks, at their own positions; density is left untouched.
 
 `recompute_layer` is the per-layer step a recompute worker drives while later layers are still being
-loaded. The engine knows nothing about tokenization, chat templates, files or Ray.
+loaded.
 
 Attention of 16 or more rows on the CPU in float32 runs in the compiled kernel of `engine/attention.c`
-(built at first use by `storage.native`; one fused pass per block of rows: scores, softmax, density
-column sums, P V, with blocks sized for the caches, on torch's own OpenMP threads): with it the
-engine's prefill with density runs 1.08-1.13x transformers' SDPA prefill at 512 and 2048 tokens on the
-2-core Xeon test machine, where the torch kernel runs 0.96-1.03x (docs/benchmarks.md, "Engine speed").
-Elsewhere (decode rows, CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
-kernel `_attend` runs; both are tested against a naive full-matrix reference.
+(built at first use by `engine.native`; one fused pass per block of rows: scores, softmax, density
+column sums, P V, with blocks sized for the caches, on torch's own OpenMP threads), which prefills
+with density faster than the torch kernel (docs/benchmarks.md, "Engine speed"). Elsewhere (decode
+rows, CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise kernel `_attend`
+runs; both are tested against a naive full-matrix reference.
 """
 
 from __future__ import annotations
@@ -34,18 +36,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
-from storage import native
 
-SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-row blocks at 2048 tokens. Measured
-# on the 2-core Xeon (CPU time, single thread): 64-row blocks beat 32- and 48-row ones at 2048 tokens by 2-4%,
-# and under load from other processes fewer, larger blocks suffer less from OpenMP barrier waits; blocks of
-# hundreds of rows spill the 2 MiB L2 and cost more
+SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-row blocks at 2048 tokens. 64-row
+# blocks beat 32- and 48-row ones at 2048 tokens, and under load from other processes fewer, larger blocks
+# suffer less from OpenMP barrier waits; blocks of hundreds of rows spill a 2 MiB L2 and cost more
 NATIVE_MIN_ROWS = 16  # fewer query rows (decode, a short turn) stay in torch: the kernel copies K transposed
 # once per call, which pays off only when enough rows share it
 MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alone gives 256 rows at 512 tokens:
-# 2 blocks, a third of the scores masked; 64-row blocks made 512-token prefill ~5% faster, session 7)
+# 2 blocks, a third of the scores masked, which is slower)
 
 
 _ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
@@ -78,10 +79,9 @@ def attention_kernel():
 
     Where torch runs on GNU OpenMP the kernel is built with -fopenmp, so its threads are torch's own
     team (the loader maps the one libgomp.so.1 already loaded). With threads of its own, the kernel
-    shared the 2 cores with torch's team, whose threads spin for a while after every torch op: one
-    layer's attention inside a 512-token prefill took 3.3 ms against 1.7 ms on torch's team
-    (docs/benchmarks.md, "Engine speed", session 17). Elsewhere, or when -fopenmp does not build, the
-    kernel starts POSIX threads per call."""
+    shared the cores with torch's team, whose threads spin for a while after every torch op, and ran
+    about half as fast as on torch's team (docs/benchmarks.md, "Engine speed"). Elsewhere, or when
+    -fopenmp does not build, the kernel starts POSIX threads per call."""
     if not _ATTENTION:
         source = Path(__file__).with_name("attention.c")
         if torch_uses_gnu_openmp():
@@ -337,7 +337,8 @@ class Transformer:
         """Recompute layer `layer` of the job's chunks.
 
         Needs, for this layer, the K/V of every present chunk up to the last recomputed position (loaded
-        chunks may arrive layer by layer with `KVCache.put_chunk_layer`). Layers run in order.
+        chunks may arrive layer by layer, written into `cache.kv[layer]` at their slots and marked with
+        `KVCache.mark_present` once whole). Layers run in order.
         """
         if layer != job.next_layer:
             raise RuntimeError(f"recompute layer {layer} out of order (expected {job.next_layer})")

@@ -1,6 +1,7 @@
 """Next-token choice: greedy, temperature, top-p, seeded; plus the checks that end a reply.
 
-Pure functions over a logits vector; the engine owns the loop.
+Pure functions over a logits vector and the reply's text (stop strings); the engine owns the loop.
+This module deliberately knows nothing about the model, the tokenizer or contexts.
 """
 
 from __future__ import annotations

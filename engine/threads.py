@@ -1,12 +1,14 @@
 """Helper threads that may touch torch run it on one thread.
 
+This module deliberately knows nothing about what the helper threads do; it only keeps them out of
+OpenMP.
+
 With the OpenMP build of torch, the first parallel op a thread runs gives that thread an OpenMP team
-of its own, and the team lives as long as the thread. Measured on this 2-core machine: once a live
-helper thread (the executor's write-back) had run one parallel copy, every later parallel op of the
-main thread's team ran 30-45% slower in wall time at the same CPU time, for as long as the helper
-lived (recompute 5.7 -> 7.9 ms a layer; docs/benchmarks.md, "Helper threads and torch"). Setting the
-helper's own thread count to 1 (OpenMP's count is per thread) keeps it out of OpenMP; the main
-thread keeps its count.
+of its own, and the team lives as long as the thread. Once a live helper thread (the executor's
+write-back) has run one parallel copy, every later parallel op of the main thread's team runs
+markedly slower in wall time at the same CPU time, for as long as the helper lives, when the cores
+are few (docs/benchmarks.md, "Helper threads and torch"). Setting the helper's own thread count to 1
+(OpenMP's count is per thread) keeps it out of OpenMP; the main thread keeps its count.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """Tolerance-aware compression planner (LLMS §3.2, Eq. 1-3): which level each chunk of a context gets.
 
+This module deliberately knows nothing about codecs, KV data, bytes on disk, files or when to
+compress: it maps densities and current levels to a plan, and the caller quantizes and writes the
+chunks whose level changes.
+
 Input is one context's per-chunk information densities ``D`` (Eq. 1, measured by the engine; one per
 chunk, chunk order), each chunk's current level, and whether the last chunk is partial. Output is a
-:class:`CompressionPlan`: a level per chunk and the chunks whose level changes. The caller quantizes
-and writes those chunks; this module never touches KV data.
+:class:`CompressionPlan`: a level per chunk and the chunks whose level changes.
 
 Tolerance mode (``llms``). Chunks are ranked by density, highest first; ties keep chunk order (a
 stable sort, so the earlier chunk ranks higher). With levels ``w = 0..m-1`` heaviest first (default
@@ -44,9 +47,6 @@ ratio wins, then the lexicographically smallest thresholds, so plans are determi
 
 Static mode (baselines): every chunk at one level (``q8`` for ``vllm-sq`` and ``llms-no-compress``,
 ``raw`` for lossless), still never rising. Mode ``none`` is static ``raw``.
-
-This module deliberately knows nothing about codecs, bytes on disk, files or when to compress: it
-maps densities and current levels to a plan.
 """
 
 from __future__ import annotations

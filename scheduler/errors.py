@@ -1,11 +1,11 @@
 """Exception types of the scheduler (policies and planners).
 
+This module deliberately knows nothing about chunks, bytes or policies: it only names failures.
+
 Every error a caller may want to tell apart carries a stable ``code`` string (the HTTP edge maps it
-to a status; logs and metrics use it as a label). The tiers follow STYLE.md: capacity errors and
+to a status; logs and metrics use it as a label). Three tiers: capacity errors and
 misuse we can name are the types below; plain caller bugs (a negative size, a wrong type) are
 ``ValueError`` / ``TypeError``; broken internal invariants are ``RuntimeError``.
-
-This module deliberately knows nothing about chunks, bytes or policies: it only names failures.
 """
 
 from __future__ import annotations
@@ -25,34 +25,22 @@ class SchedulerError(Exception):
 class CapacityError(SchedulerError):
     """A request needs more memory than can be made available.
 
-    ``needed`` and ``available`` are in bytes (or tokens for :class:`ContextTooLongError`), so the
-    caller can report or retry without parsing the message.
+    ``needed`` and ``available`` are in bytes, so the caller can report or retry without parsing
+    the message.
     """
 
     code = "capacity"
 
     def __init__(self, message: str, *, needed: int, available: int) -> None:
         super().__init__(message)
-        self.needed = needed  # what the request asked for (bytes; tokens for context length)
-        self.available = available  # what could be had (bytes; tokens for context length)
-
-
-class PoolBudgetError(CapacityError):
-    """An allocation would take the pool's resident bytes past its budget."""
-
-    code = "kv_pool_budget"
+        self.needed = needed  # what the request asked for, bytes
+        self.available = available  # what could be had, bytes
 
 
 class NotEnoughEvictableError(CapacityError):
     """Even evicting every unlocked resident chunk would not free the bytes asked for."""
 
     code = "not_enough_evictable"
-
-
-class ContextTooLongError(CapacityError):
-    """A context would grow past the configured maximum length (tokens)."""
-
-    code = "context_too_long"
 
 
 # -- misuse ----------------------------------------------------------------------------------------
@@ -100,12 +88,6 @@ class UnknownChunkKeyError(SchedulerError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
-
-
-class DuplicateChunkKeyError(SchedulerError, ValueError):
-    """A chunk key is already tracked where a new one was expected."""
-
-    code = "duplicate_chunk_key"
 
 
 class NotLockedError(SchedulerError, ValueError):

@@ -1,5 +1,8 @@
 """Eviction queues over the pool's resident chunks: LCTRU (LLMS §3.4 ii), chunk LRU, context LRU.
 
+This module deliberately knows nothing about disks, buffers, clocks or budgets: times and sizes are
+given to it, and it answers which chunks to evict, in order; the caller evicts them.
+
 An :class:`EvictionQueue` tracks every resident chunk as ``key -> (level, nbytes, last_use)`` and,
 asked to free ``need_bytes``, returns the chunk keys to evict, in order. Which order is a tiny
 *strategy* object returning a sort key (SGLang style), chosen by name through :data:`STRATEGIES`:
@@ -40,15 +43,14 @@ are set aside and pushed back). ``pop_victims`` checks first that the unlocked b
 raises :class:`NotEnoughEvictableError` without touching the queue when they do not.
 
 Popped victims leave the queue: the caller evicts them (their clean copy is on disk ahead of time
-under ``llms``, or the caller writes it now) and updates its memory accountant. This module
-deliberately knows nothing about disks, buffers, clocks or budgets: times and sizes are given to it.
+under ``llms``, or the caller writes it now) and updates its own byte counts.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from scheduler import levels as L
@@ -171,25 +173,14 @@ class EvictionQueue:
         locked = sum(self._contexts[c].nbytes for c in self._locks if c in self._contexts)
         return self._bytes - locked
 
-    def entry(self, key: ChunkKey) -> ChunkEntry:
-        """A copy of the tracked entry of ``key`` (change it with ``touch``)."""
-        try:
-            return replace(self._chunks[key])
-        except KeyError:
-            raise UnknownChunkKeyError(f"chunk {key!r} is not in the eviction queue") from None
-
     def chunks_of(self, ctx: str) -> list[ChunkKey]:
         """Tracked chunk keys of ``ctx`` in chunk order."""
         e = self._contexts.get(ContextId(ctx))
         return [] if e is None else [(ContextId(ctx), i) for i in sorted(e.chunks)]
 
-    def is_locked(self, ctx: str) -> bool:
-        """Whether ``ctx`` holds at least one lock."""
-        return ctx in self._locks
-
     def order(self) -> list[ChunkKey]:
         """Every unlocked chunk in the order ``pop_victims`` would return them (no mutation;
-        O(n log n), for metrics and tests)."""
+        O(n log n); what tests check the strategies against)."""
         live = sorted((e.sort_key, u) for u, e in self._units().items()
                       if self._ctx_of(u) not in self._locks)
         return [k for _, u in live for k in self._victims_of(u)]
@@ -230,13 +221,6 @@ class EvictionQueue:
         if key not in self._chunks:
             raise UnknownChunkKeyError(f"chunk {key!r} is not in the eviction queue")
         return self._drop(key)  # under context-lru the context keeps its place: its last use stands
-
-    def remove_context(self, ctx: str) -> list[ChunkKey]:
-        """Stop tracking every chunk of ``ctx`` (deleted or killed); returns their keys. Locks stay."""
-        keys = self.chunks_of(ctx)
-        for k in keys:
-            self._drop(k)
-        return keys
 
     def lock(self, ctx: str) -> None:
         """Forbid evicting ``ctx``'s chunks until the matching ``unlock`` (locks nest)."""

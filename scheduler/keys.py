@@ -1,9 +1,11 @@
 """Key types shared by the scheduler's structures: which context, which chunk.
 
+This module deliberately knows nothing about what a chunk holds or where it lives.
+
 Distinct ``NewType``s so a type checker catches a chunk index passed where a context id belongs.
 A context id is the registry's opaque string; a chunk index counts 16-token chunks (configurable)
 from the start of the context. Beside them, the one validator every structure uses for counts
-(bytes, tokens, chunks). This module deliberately knows nothing about what a chunk holds.
+(bytes, tokens, chunks).
 """
 
 from __future__ import annotations

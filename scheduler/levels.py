@@ -1,5 +1,7 @@
 """Compression levels as the scheduler sees them: names, nominal bits, and which is heavier.
 
+This module deliberately knows nothing about how a level is encoded or which level a chunk should get.
+
 The scheduler needs three facts about a level, never its bytes on the wire:
 
 * its **nominal bits** per value (``raw`` is the compute dtype's width), which give the LLMS
@@ -13,8 +15,6 @@ The table is a deliberate local copy of what ``storage.codecs`` knows (``nominal
 planners import nothing from the storage layer; ``tests/scheduler/test_levels.py`` asserts that the
 two agree for every level and compute dtype. Stored byte sizes (with scales and zero points) come
 from the caller, which has them from the chunk files.
-
-This module deliberately knows nothing about how a level is encoded or which level a chunk should get.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LEVELS: tuple[str, ...] = tuple(sorted(RANK, key=lambda name: -RANK[name]))
 DEFAULT_PLAN_LEVELS: tuple[str, ...] = ("q8", "q4", "q2")
 #: measured fidelity of each level: 1 - the relative RMS error of its codec on real K/V of the
 #: default model (SmolLM2-135M, 2048 tokens of standard-library text, float32; `python -m
-#: bench.storage_speed`, docs/benchmarks.md, 2026-11-22). The compression planner weighs density by
+#: bench.storage_speed`; docs/benchmarks.md, "Storage"). The compression planner weighs density by
 #: it. q4 keeps 96% and q2 82%: halving the bits from q4 costs four times what halving them from q8
 #: does, which a weight linear in the bits (the ratio) cannot express.
 FIDELITY: dict[str, float] = {"raw": 1.0, "fp16": 1 - 2.0e-4, "bf16": 1 - 1.6e-3, "q8": 1 - 2.2e-3,

@@ -1,5 +1,11 @@
 """Swap-recompute pipeline planner (LLMS §3.3, Eq. 4): which missing chunks to read, which to recompute.
 
+Cost models fitted from a one-shot profile (:class:`CostProfile`), corrected online from the restores
+the service runs (:class:`OnlineCosts`), and the planner over them (:func:`plan_restore`). This module
+deliberately knows nothing about disks, files, the model, actors or clocks: the caller measures
+(profile points, stage seconds), keeps profiles where it likes (as :meth:`CostProfile.to_json` text;
+``actors.profiling`` caches them in files) and carries the plan out.
+
 Restoring a context, the IO worker reads some missing chunks from disk while the recompute worker
 recomputes the others from their token ids, layer by layer, overlapped (Fig. 8). The paper's planner
 minimises
@@ -12,12 +18,11 @@ costs nothing: ``T(0) = 0`` (the intercept is the fixed cost of starting a side 
 not paid when that side is idle). Fits are non-negative least squares, so both are non-decreasing.
 
 The paper's T_io counts reading only. Here every chunk read, and every resident chunk, must also be
-de-quantized into the compute dtype before the switch ends (DESIGN.md §1), and that cost goes by
-the chunk more than by the byte: its output is a whole chunk of float32 K/V whatever the level
-(measured, 2 cores, SmolLM2-135M: 0.14 ms a raw chunk, 0.21 q8, 0.24 q4, 0.29 q2, while the
-stored bytes shrink 8x from raw to q2). So the profile also measures ``T_dec``, a cost per chunk
-for each level, and a restore's predicted time adds ``T_dec`` of its resident chunks (decoded
-before the pipeline starts).
+de-quantized into the compute dtype before the switch ends (docs/design.md §1), and that cost goes by
+the chunk more than by the byte: its output is a whole chunk of compute-dtype K/V whatever the
+level, while the stored bytes shrink 8x from raw to q2 (and q2 de-quantizes slowest). So the profile
+also measures ``T_dec``, a cost per chunk for each level, and a restore's predicted time adds
+``T_dec`` of its resident chunks (decoded before the pipeline starts).
 
 Which side of the pipeline pays ``T_dec`` follows the implementation (actors/recompute.py): the
 reader only reads; the consumer de-quantizes each streamed layer group and then recomputes the same
@@ -32,9 +37,8 @@ and with the layers streamed in ``G`` groups a two-stage pipeline takes
 
 (the faster stage hides behind the slower one except for one group's worth: the first group's read
 before the consumer can start, or the last group's decode and recompute after the reads end).
-``G = 1`` is no overlap (``A + B``); ``G -> inf`` is the paper's ``max``. Measured (session 4,
-50 MB/s, 5 groups): a restore of 57 loaded and 5 recomputed chunks took 270 ms; the reads 180 ms,
-decode 25 ms and recompute 207 ms give 232 + 180/5 = 268 ms by Eq. 4', 207 by Eq. 4.
+``G = 1`` is no overlap (``A + B``); ``G -> inf`` is the paper's ``max``, which underestimates a
+streamed restore by the one group it cannot hide.
 
 Planning (§3.4 ii: recompute the heaviest, least-compressed chunks first). Chunks whose file is
 missing or corrupt are always recomputed (``must_recompute``: the Fault primitive). The others are
@@ -52,39 +56,23 @@ the smaller ``x`` (less CPU taken from the model). With ``allow_recompute=False`
 
 Deliberately not modelled: recompute of a late chunk attends to more tokens than an early one
 (``T_re`` is linear in the count only, as in the paper).
-
-:class:`ProfileCache` keeps fitted profiles as JSON files keyed by machine (hostname and CPU count),
-model fingerprint and storage throttle; the caller runs the profiling and passes measured points.
-:class:`RestoreLog` keeps (predicted, measured) pairs to report the model's error.
-:class:`OnlineCosts` corrects the profile from the restores the service runs (per stage, used by the
-planner, and per restore shape, for the prediction): the one-shot profile ages with the machine.
-
-This module deliberately knows nothing about disks beyond those files, the model or actors, and it
-never reads a clock: times are measured by the caller.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import math
-import os
-import re
-import socket
 import statistics
-import tempfile
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
 from scheduler import levels as L
 from scheduler.keys import count
 
-#: format version of serialised profiles; a cache file of another version is a miss
+#: format version of serialised profiles; a profile of another version does not parse
 #: (2: T_io is reading only, plus the de-quantization model T_dec)
 PROFILE_VERSION = 2
 
@@ -226,74 +214,6 @@ class CostProfile:
         return cls(parts["recompute"][0], parts["io"][0], parts["recompute"][1], parts["io"][1], dec, dpts)
 
 
-def machine_id() -> str:
-    """This machine as profiles know it: hostname and CPU count."""
-    return f"{socket.gethostname()}/{os.cpu_count()}cpu"
-
-
-@dataclass(frozen=True, slots=True)
-class ProfileKey:
-    """What a cost profile depends on."""
-
-    machine: str  # machine_id() of the profiled machine
-    model: str  # model fingerprint, given by the caller
-    throttle_bps: float  # storage read throttle, bytes/s; 0 = none
-
-    @classmethod
-    def local(cls, model: str, throttle_bps: float = 0.0) -> ProfileKey:
-        """The key for this machine."""
-        return cls(machine_id(), model, float(throttle_bps))
-
-    def filename(self) -> str:
-        """A file name unique to the key: a readable slug and a hash of the whole key."""
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{self.machine}_{self.model}")[:80]
-        return f"{slug}-{digest[:16]}.json"
-
-
-class ProfileCache:
-    """Fitted profiles as JSON files under ``root``, one per :class:`ProfileKey`.
-
-    ``get`` treats a missing, unreadable, other-version or other-key file as a miss (``None``): the
-    caller profiles again and ``put`` replaces it atomically (temp file, fsync, rename).
-    """
-
-    def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root)
-
-    def path(self, key: ProfileKey) -> Path:
-        """Where ``key``'s profile lives (whether or not it exists)."""
-        return self.root / key.filename()
-
-    def get(self, key: ProfileKey) -> CostProfile | None:
-        """The cached profile of ``key``, or ``None`` (a miss; see the class docstring)."""
-        try:
-            doc = json.loads(self.path(key).read_text())
-            if doc.get("key") != json.loads(json.dumps(asdict(key))):
-                return None
-            return CostProfile.from_json(json.dumps(doc["profile"]))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return None
-
-    def put(self, key: ProfileKey, profile: CostProfile) -> Path:
-        """Store ``profile`` as ``key``'s, replacing any older one atomically; returns its path."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"key": asdict(key), "profile": json.loads(profile.to_json())},
-                          sort_keys=True, indent=1)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".profile-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path(key))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return self.path(key)
-
-
 @dataclass(frozen=True, slots=True)
 class MissingChunk:
     """A chunk of the context being restored that is not resident."""
@@ -404,7 +324,7 @@ def layer_group_size(n_layers: int, per_ref_s: float, io_s_per_byte: float, load
                      ref_share: float = 0.1) -> int:
     """Layers per streamed group for a restore that loads ``load_bytes``: the fewest layers whose read
     takes at least ``per_ref_s / ref_share`` (so handing a group over costs under a tenth of reading
-    it, issue 4), which keeps the most groups, and so the most IO/recompute overlap, at that cost.
+    it), which keeps the most groups, and so the most IO/recompute overlap, at that cost.
 
     One group of everything when nothing is loaded or the costs are unknown (zero). The same rule
     sizes the batches of whole chunks an executor's restore streams in (``n_layers``: the chunks)."""
@@ -421,10 +341,9 @@ class HandoverCost:
     waiting for it, to the moment the consumer had it), never below ``floor_s``, the cost measured on
     an idle machine at start.
 
-    Why: on 2 cores a restore keeps both busy, so a hand-over (serialize, the object store, wake the
-    consumer) waits for a core. Measured on Ray, llms, 60 switches: 1.6-7 ms a hand-over against
-    0.12-0.42 ms measured idle at start, so groups sized with the idle figure were 5-10x too small
-    and the switch got slower (docs/benchmarks.md, "Context switching", session 17)."""
+    Why: when a restore keeps every core busy, a hand-over (serialize, the object store, wake the
+    consumer) waits for a core and costs several times the idle figure; groups sized with the idle
+    figure come out too small and the switch gets slower (docs/benchmarks.md, "Context switching")."""
 
     __slots__ = ("floor_s", "_recent")
 
@@ -475,8 +394,8 @@ class OnlineCosts:
     """The profile's cost models, corrected online from the restores the service actually runs.
 
     The one-shot profile (§3.3 i) is measured once, on a quiet machine with a throwaway context; later
-    the machine may be busier or quieter (a shared VM's memory bandwidth moves de-quantizing by 40 %
-    from one hour to the next), the stored chunks differ from the profile's, and composing the stages
+    the machine may be busier or quieter (on a shared host, memory bandwidth and so de-quantizing
+    moves from one hour to the next), the stored chunks differ from the profile's, and composing the stages
     has overheads the formula leaves out. Two corrections, each the median of a log ratio over the
     last ``window`` restores that measured it:
 
@@ -487,19 +406,15 @@ class OnlineCosts:
       the stage-corrected prediction, for what the stage sum misses (overlap, hand-over, waits).
       :meth:`predict` applies it to the planned total; planning does not use it.
 
-    Why a median, not a mean: a restore now and then takes 2-4x its usual time (on the test VM, `swap`
-    read whole raw contexts in 105-183 ms in 6 of 57 restores, against 25-60 ms for the others; a
-    neighbour on a shared VM does the same to de-quantizing), and a mean moved by it mispredicts the
-    next few restores the other way; the median ignores a lone outlier and still follows a lasting
-    change within ``window // 2 + 1`` restores. Why 25 restores: the slow ones come in spells (7 of
-    18 consecutive restores in one run), which moved a median of 9 and made it mispredict the usual
-    restores among them by 2x; a median of 25 rides out up to 12 slow ones. Paired on the same
-    restores (`bench.online_window`: three 100-call runs, five policies, 57 restores each, session
-    18), the median |ln(measured / predicted)| was at most 0.202 with 25 against up to 0.268 with 9
-    (`swap`), lower in 10 of 14 pairs and higher by at most 0.02 in the others. The profile counts
-    as one observation of "no correction" until ``window`` restores have pushed it out, so the first
-    restore moves the estimate half way. Stages measured under ``min_stage_s`` are not used (timer
-    noise), and every log ratio is clamped to ``±ln(max_factor)``. Ray-free, no clock.
+    Why a median, not a mean: a restore now and then takes several times its usual time (a lone slow
+    read, a neighbour on a shared host), and a mean moved by it mispredicts the next few restores the
+    other way; the median ignores a lone outlier and still follows a lasting change within
+    ``window // 2 + 1`` restores. Why 25 restores: the slow ones come in spells, which move a short
+    median and make it mispredict the usual restores among them; a median of 25 rides out up to 12
+    slow ones (the comparison of windows on the same restores is in docs/benchmarks.md). The profile
+    counts as one observation of "no correction" until ``window`` restores have pushed it out, so the
+    first restore moves the estimate half way. Stages measured under ``min_stage_s`` are not used
+    (timer noise), and every log ratio is clamped to ``±ln(max_factor)``. Ray-free, no clock.
     """
 
     def __init__(self, window: int = 25, *, min_stage_s: float = 2e-4, max_factor: float = 8.0) -> None:

@@ -1,4 +1,7 @@
-"""Baselines and ablations as configurations of one system (DESIGN.md §5, LLMS §4 and §5.3).
+"""Baselines and ablations as configurations of one system (docs/design.md §5, LLMS §4 and §5.3).
+
+This module deliberately knows nothing about how the switches are carried out: no queues, files or
+actors here, only names and values.
 
 A :class:`PolicySet` is a handful of switches; the memory governor and the workers read them and
 call the matching planners (``scheduler.compression``, ``scheduler.eviction``,
@@ -23,9 +26,6 @@ name                  behaviour
 
 Whatever the policy, a chunk with no usable file (killed, never written, corrupt) is recomputed:
 ``recompute=False`` only forbids *choosing* recompute to shorten a restore.
-
-This module deliberately knows nothing about how the switches are carried out: no queues, files or
-actors here, only names and values.
 """
 
 from __future__ import annotations

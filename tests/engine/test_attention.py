@@ -72,7 +72,7 @@ def test_native_attention_matches_full_matrix(engine, pos, threads, build, monke
     from pathlib import Path
 
     import engine.model as em
-    from storage import native
+    from engine import native
 
     model = engine.model
     cfg = model.cfg

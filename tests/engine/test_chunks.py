@@ -82,8 +82,9 @@ def test_layer_by_layer_recompute_with_streamed_loads(engine, base):
         c.drop_chunk(i)
     job = engine.model.recompute_start(c, ids, [0, 3, 6])
     for layer in range(engine.model.cfg.n_layers):
-        for i, kv in loaded.items():
-            c.put_chunk_layer(i, layer, kv[layer])
+        for i, kv in loaded.items():  # as the recompute worker decodes a layer group into its slots
+            s, e = c.chunk_range(i)
+            c.kv[layer, :, :, s:e] = torch.from_numpy(kv[layer])
         engine.model.recompute_layer(c, job, layer)
     c.mark_present(loaded)
     assert not c.missing
@@ -106,8 +107,6 @@ def test_raw_bytes_round_trip_is_bit_exact(engine, base):
         c.put_chunk(i, np.frombuffer(raw, dtype=dt).reshape(shape).copy())
     assert torch.equal(c.k[:, :, :N_TOKENS], k0) and torch.equal(c.v[:, :, :N_TOKENS], v0)
     assert greedy(engine, c, logits, 32) == cont
-    one = cache.export_chunk_layer(2, 5)
-    assert np.array_equal(one, cache.export_chunk(2)[5])
 
 
 def test_forward_refuses_missing_chunks_and_bad_shapes(engine, base):

@@ -34,6 +34,6 @@ def test_error_codes_are_distinct_and_capacity_errors_carry_numbers():
                if issubclass(c, E.SchedulerError)]
     codes = [c.code for c in classes]
     assert len(classes) >= 10 and len(set(codes)) == len(codes)
-    err = E.PoolBudgetError("x", needed=5, available=2)
+    err = E.NotEnoughEvictableError("x", needed=5, available=2)
     assert isinstance(err, E.CapacityError) and (err.needed, err.available) == (5, 2)
     assert str(E.UnknownChunkKeyError("no such chunk")) == "no such chunk"

@@ -1,13 +1,11 @@
 """Swap-recompute planner: optimal against brute force, monotone in disk speed; cost fits and
-their JSON cache; the prediction log."""
+their JSON text; the prediction log."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import math
-import os
-import socket
 
 import numpy as np
 import pytest
@@ -15,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.pipeline import (PROFILE_VERSION, CostProfile, DecodeCost, LinearCost, MissingChunk,
-                                ProfileCache, ProfileKey, RestoreLog, fit_decode, fit_linear, machine_id,
-                                plan_restore)
+                                RestoreLog, fit_decode, fit_linear, plan_restore)
 
 LEVEL_BYTES = {"raw": 737_280, "fp16": 368_640, "q8": 230_400, "q4": 138_240, "q2": 92_160}
 
@@ -240,32 +237,6 @@ def test_profile_json_round_trip():
     old["version"] = 1  # a version-1 profile (T_io with decoding folded in) is re-measured
     with pytest.raises(ValueError, match="version"):
         CostProfile.from_json(json.dumps(old))
-
-
-def test_profile_cache(tmp_path):
-    cache = ProfileCache(tmp_path / "profiles")
-    key = ProfileKey.local("smollm2-135m:abc123", throttle_bps=50e6)
-    assert key.machine == machine_id()
-    assert socket.gethostname() in key.machine and str(os.cpu_count()) in key.machine
-    assert cache.get(key) is None
-    prof = CostProfile.fit([(1, 0.01), (4, 0.02)], [(1e6, 0.02), (2e6, 0.04)])
-    path = cache.put(key, prof)
-    assert path.parent == tmp_path / "profiles" and cache.get(key) == prof
-    other = ProfileKey.local("smollm2-135m:abc123", throttle_bps=0)
-    assert other.filename() != key.filename() and cache.get(other) is None
-    # a file under the wrong name (copied by hand) is not taken for another key
-    cache.path(other).write_text(path.read_text())
-    assert cache.get(other) is None
-    path.write_text("{not json")
-    assert cache.get(key) is None
-    cache.put(key, prof)  # replaces the corrupt file
-    assert cache.get(key) == prof
-    assert not [p for p in path.parent.iterdir() if p.name.startswith(".profile-")]
-
-
-def test_profile_key_filename_is_safe():
-    name = ProfileKey("host/../x", "a b/c\\d", 0.0).filename()
-    assert "/" not in name and "\\" not in name and name.endswith(".json")
 
 
 # -- prediction log --------------------------------------------------------------------------------
