@@ -3,7 +3,7 @@
 (A) the bare engine: a new `ContextEngine` context, one call with a ~1.5K-token real-text prompt (a
 reference-manual passage to translate, `bench.passages`) decoding up to 128 greedy tokens, then a
 second call with a short prompt on the same context. (B) the same two calls through the service in
-this process (`LocalService`, policy `llms`, opened as `bench.switching` does) with a KV budget of a
+this process (the in-process wiring (`wire_local`), policy `llms`, opened as `bench.switching` does) with a KV budget of a
 quarter of the context at q8, so that the first call's write-back swaps most of the context out;
 between the two calls a call on another context takes the working set, so the second call first
 restores the context (resident chunks decoded, the rest read or recomputed) and then decodes on the
@@ -136,7 +136,7 @@ def markdown(res: dict[str, list[list[Timed]]], args, extra: dict, seconds: floa
         "",
         f"Measured: (A) the bare engine, a new context, a call with a {extra['p1_tokens']}-token real-text prompt "
         f"(a reference-manual passage to translate) decoding up to {args.max_tokens} tokens, then a second call "
-        f"({extra['p2_tokens']}-token prompt) on the same context; (B) the same two calls through `LocalService` in "
+        f"({extra['p2_tokens']}-token prompt) on the same context; (B) the same two calls through the in-process wiring (`wire_local`) in "
         f"this process, policy `llms`, KV budget {extra['pool'] / 1e6:.1f} MB (a quarter of the context at q8), "
         f"with a call on another context between them, so the second call restores the context first "
         f"({extra['restore']}). Decode tokens/s: the decode forward passes between the first and the last "

@@ -27,7 +27,7 @@ grid's 8-context Markov llms run is also the ablation's and the chunk sweep's). 
 options differ (calls, histories, budget, ...) stops the grid instead of being mixed in. Each set's
 manifest, `OUT/set-<name>.json`, lists its runs; `python -m bench.report --grid OUT` renders the sets
 from it, blanks for missing runs. The model is loaded once per process; runs are in one process
-(`LocalService`), one after the other.
+(the in-process wiring (`wire_local`)), one after the other.
 
 Duration on 2 cores, from an 8-context, 30-call llms run (103 s with another benchmark running, ~70 s
 quiet) and make bench's per-policy times: grid ~3.8 h quiet (~5.7 h under load), capacity ~1.7 h

@@ -14,7 +14,7 @@ in the model's engine config as well as the service's, so a service with another
 model's runs on a sibling model sharing the same weights (`engine_with_chunks`, no reload), with a cost
 profile measured for that size.
 
-What a call's numbers mean is DESIGN.md §1 (`switch_ms`) and `actors.executor.CallOutcome`; the
+What a call's numbers mean is docs/design.md §1 (`switch_ms`) and `actors.messages.CallOutcome`; the
 outcome names are `actors.metrics.switch_outcome`. This module knows nothing about argument parsing,
 Ray start-up or plotting: `deploy.jobs.replay` is the entry point, `bench.report` the tables and plots.
 """
@@ -115,7 +115,7 @@ class CallRecord:
     time_s: float  # the call's time in the trace (seconds since its start)
     sent_s: float  # when the replay sent it (seconds since the policy's first call)
     context: int  # trace context id
-    switch_ms: float  # context switching latency (DESIGN.md §1), ms
+    switch_ms: float  # context switching latency (docs/design.md §1), ms
     e2e_ms: float  # client-side time of the whole call: switch, prefill, decode, hops; ms
     outcome: str  # hit, resident, swap or recompute (actors.metrics.switch_outcome)
     resident_chunks: int  # chunks decoded from the pool
@@ -244,7 +244,7 @@ def engine_with_chunks(engine, chunk_tokens: int):
     """`engine` when its model already cuts K/V into `chunk_tokens`-token chunks, else a sibling engine
     on a sibling model that shares the weight tensors and the tokenizer (no reload, no copy).
 
-    Why a sibling: `LocalService` takes a passed engine as it is, and the model's own engine config
+    Why a sibling: `wire_local` takes a passed engine as it is, and the model's own engine config
     sizes every cache's chunks (`Transformer.new_cache`), so a service configured for another chunk
     size would bookkeep chunks the model does not cut."""
     if engine.cfg.chunk_tokens == engine.model.engine_cfg.chunk_tokens == chunk_tokens:
@@ -276,17 +276,17 @@ def open_replay_service(policy: str, engine, budget: int, config: ReplayConfig, 
     if config.chunk_tokens == DEFAULT_CHUNK_TOKENS and engine.model.engine_cfg.chunk_tokens == DEFAULT_CHUNK_TOKENS:
         return open_service(policy, engine, budget, throttle, config.use_ray, data_dir,
                             max_context_tokens=config.max_context_tokens, prefix=prefix)
-    from actors.service import LocalService, ServiceConfig
+    from actors.service import ServiceConfig, wire_local
 
     cfg = ServiceConfig(data_dir=data_dir, policy=policy, pool_bytes=budget, read_bytes_per_s=throttle,
                         max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens)
     if config.use_ray:
-        from actors.ray_service import RayService
+        from actors.ray_service import wire_ray
 
-        return RayService(cfg, prefix=f"{prefix}-{policy}")
+        return wire_ray(cfg, prefix=f"{prefix}-{policy}")
     sibling = engine_with_chunks(engine, config.chunk_tokens)
     cfg.profile = chunk_profile(sibling, throttle).to_json()
-    return LocalService(cfg, engine=sibling)
+    return wire_local(cfg, engine=sibling)
 
 
 def _bar(total: int, policy: str):

@@ -7,8 +7,8 @@ tokenized as one document) and, per repetition:
 - **recompute**: the engine's prefill of the token ids from scratch into the working set, information
   density on, as the service runs a prefill (`Transformer.forward` with a density accumulator);
 - **restore from disk**, what the service does when every chunk of the context is swapped out: the
-  chunks were written as chunk files (`KVSwapIO.write` over `storage.chunkfile.ChunkStore`, fsync per
-  file) and the service's restorer (`actors.executor.InProcessRestorer`, as `LocalService` wires it)
+  chunks were written as chunk files (`KVSwapIO.write` over `storage.chunkstore.ChunkStore`, fsync per
+  file) and the service's restorer (`actors.executor.InProcessRestorer`, as the in-process wiring (`wire_local`) wires it)
   reads them (`KVSwapIO.read`: prefetch, then one checked read per file) and decodes them into the
   working set. *Warm*: the files are in the page cache (a swap-out moments before); *cold*: every file
   is fsynced and dropped from the page cache (`posix_fadvise DONTNEED`, as `bench.storage_speed`)
@@ -88,7 +88,7 @@ class Length:
         self.times["recompute"].append(time.perf_counter() - t)
 
     def plan(self, level: str, mode: str):
-        from actors.governor import CallPlan
+        from actors.messages import CallPlan
 
         n = len(self.encs[level])
         resident = [(i, level, e) for i, e in enumerate(self.encs[level])] if mode == "memory" else []
@@ -163,7 +163,7 @@ def markdown(rows: dict[int, Length], args, disk: str, seconds: float) -> str:
         "",
         "Measured: one context of real text (the Python reference manual) at each length. Recompute: the "
         "engine's prefill of the token ids from scratch, information density on, as the service prefills. "
-        "Restore: what the service's in-process restorer (`InProcessRestorer`, as `LocalService` wires it) "
+        "Restore: what the service's in-process restorer (`InProcessRestorer`, as the in-process wiring (`wire_local`) wires it) "
         "does for a context whose chunks are all swapped out: read the chunk files (`KVSwapIO.read`: "
         "prefetch, one checked read per file) and decode them into the working set; *warm*: files in the "
         "page cache (written moments before), *cold*: every file fsynced and dropped from the page cache "

@@ -1,10 +1,10 @@
 """Context switching latency per policy (LLMS §5.1 in small): 8 contexts of 1-2K tokens, Markov
 switching, a KV pool holding about a quarter of them at 8 bits.
 
-Every policy runs the same trace on its own data directory, in one process (`LocalService`), or on
+Every policy runs the same trace on its own data directory, in one process (`actors.service.wire_local`), or on
 Ray (`--ray`, the actor path). Between calls the script waits for the service's background work (the
 ahead-of-time write-back) to finish, as an idle gap in a real trace would allow; a write-back still
-pending when a call arrives would count inside its `switch_ms` (DESIGN.md §1).
+pending when a call arrives would count inside its `switch_ms` (docs/design.md §1).
 
     python -m bench.switching [--calls 30] [--throttle-mbps 50] [--policies llms swap ...] [--write F]
 """
@@ -79,44 +79,32 @@ def quarter_q8_budget(engine, prompts: list[str]) -> tuple[int, int]:
 
 def open_service(policy: str, engine, pool_bytes: int, throttle: float, use_ray: bool, data_dir: str,
                  *, max_context_tokens: int = 4096, prefix: str = "bench"):
-    """A fresh service on `data_dir`: `LocalService` sharing `engine`'s model, or the Ray actors
+    """A fresh service on `data_dir`: `wire_local` sharing `engine`'s model, or the Ray actors
     (`ray` must be initialised). `throttle`: chunk read limit in bytes/s, 0 for none."""
-    from actors.service import LocalService, ServiceConfig
+    from actors.service import ServiceConfig, wire_local
 
     cfg = ServiceConfig(data_dir=data_dir, policy=policy, pool_bytes=pool_bytes,
                         max_context_tokens=max_context_tokens, read_bytes_per_s=throttle)
     if use_ray:
-        from actors.ray_service import RayService
+        from actors.ray_service import wire_ray
 
-        return RayService(cfg, prefix=f"{prefix}-{policy}")
-    return LocalService(cfg, engine=engine)
+        return wire_ray(cfg, prefix=f"{prefix}-{policy}")
+    return wire_local(cfg, engine=engine)
 
 
 def wait_idle(svc) -> None:
     """Block until the service's background work (the last call's write-back, which also does the
     ahead-of-time swap-out) has finished: what an idle gap of a real trace allows. Without it, the
-    pending write-back would be waited for inside the next call's `switch_ms` (DESIGN.md §1)."""
-    from actors.service import LocalService
-
-    if isinstance(svc, LocalService):
-        svc.executor.flush()
-    else:
-        import ray
-
-        ray.get(svc.executor.flush.remote())
+    pending write-back would be waited for inside the next call's `switch_ms` (docs/design.md §1)."""
+    svc.flush()
 
 
 def close_service(svc) -> None:
-    from actors.service import LocalService
-
-    if isinstance(svc, LocalService):
-        svc.close()
-    else:
-        svc.shutdown()
+    svc.close()
 
 
 def outcome_dict(out) -> dict:
-    """A call's outcome as a plain dict: `LocalService` returns a `CallOutcome`, Ray its `asdict`."""
+    """A call's outcome (a `CallOutcome`) as a plain dict."""
     if isinstance(out, dict):
         return out
     from dataclasses import asdict
@@ -191,10 +179,10 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
     if use_ray:  # what one actor hop (a streamed object ref) costs, as the executor measured at start
         import ray
 
-        per_ref_ms = ray.get(svc.executor.per_ref_cost.remote()) * 1000
-        round_trip_ms = actor_round_trip_ms(svc.gov)
-        ho_ms, ho_ms_per_mb = idle_handover_ms(svc.io)
-        request_ms = stream_request_ms(svc.io)
+        per_ref_ms = ray.get(svc.parts.executor.per_ref_cost.remote()) * 1000
+        round_trip_ms = actor_round_trip_ms(svc.parts.gov)
+        ho_ms, ho_ms_per_mb = idle_handover_ms(svc.parts.io)
+        request_ms = stream_request_ms(svc.parts.io)
     tok = svc.bind("bench")
     ctxs = []
     for p in prompts:

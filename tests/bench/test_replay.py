@@ -12,6 +12,7 @@ import statistics
 import pytest
 
 from actors.metrics import SWITCH_OUTCOMES
+from bench.plots import plot_switch_latency
 from bench.replay import (
     CALLS_CSV,
     CSV_FIELDS,
@@ -23,7 +24,9 @@ from bench.replay import (
     run_meta,
     write_results,
 )
-from bench.report import BEGIN, END, load_results, markdown, plot_switch_latency, replace_section, report
+from bench.report import BEGIN, END, replace_section, report
+from bench.results import load_results
+from bench.tables import replay_markdown
 from bench.traces import TraceConfig, TraceRecord, generate_trace
 
 # -- compressed time, with a fake service and clock (no model) -------------------------------------
@@ -148,7 +151,7 @@ def test_tiny_replay_summary_matches_the_csv(results_dir):
 def test_report_makes_a_table_and_a_png(results_dir, tmp_path):
     d, _, _ = results_dir
     res = load_results(d)
-    text = markdown(res, "img/x.png")
+    text = replay_markdown(res, "img/x.png")
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| policy | mean switch_ms")
     for p in POLICIES:
@@ -182,17 +185,12 @@ def test_report_writes_between_markers_and_keeps_the_rest(results_dir, tmp_path)
 # -- chunk size, experiment sets and their report (pure: no model) ----------------------------------
 
 from bench import grid as G  # noqa: E402
-from bench.report import (  # noqa: E402
-    SET_MARKERS,
-    capacity_check,
-    capacity_markdown,
-    grid_markdown,
-    load_set,
-    max_active_contexts,
-    plot_capacity,
-    plot_grid,
-)
+from bench.capacity import capacity_check, max_active_contexts  # noqa: E402
+from bench.plots import plot_capacity, plot_grid  # noqa: E402
 from bench.replay import check_chunk_tokens  # noqa: E402
+from bench.report import SET_MARKERS  # noqa: E402
+from bench.results import load_set  # noqa: E402
+from bench.tables import capacity_markdown, grid_markdown  # noqa: E402
 
 
 @pytest.mark.parametrize("n", [4, 8, 16, 32, 64])
