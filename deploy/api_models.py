@@ -1,4 +1,4 @@
-"""What the HTTP API accepts and answers (DESIGN.md §6), free of Ray and of the model: request bodies,
+"""What the HTTP API accepts and answers (docs/design.md §6), free of Ray and of the model: request bodies,
 the error shape with its stable codes, id checks, and how an OpenAI `messages` list meets a stored
 conversation. `deploy.serve_app` wires these to the actors.
 """
@@ -166,7 +166,7 @@ class Reconciled:
 
 
 def reconcile(stored: list[dict], messages: list[Message]) -> Reconciled:
-    """DESIGN.md §6: `messages` holds only the new turns, or the whole conversation. When it begins
+    """docs/design.md §6: `messages` holds only the new turns, or the whole conversation. When it begins
     with the stored conversation (`stored`: the context's turns, `{"role", "text"}`), only the rest is
     new; a message list that restates history differently (an assistant or system turn that does not
     match) is a conflict (409). What is new must be exactly one user turn."""

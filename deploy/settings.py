@@ -1,5 +1,5 @@
 """Server settings, free of Ray: what the HTTP layer adds to `actors.service.ServiceConfig`, and the admin
-token (DESIGN.md §6). `llmaas serve` reads them before it imports Ray."""
+token (docs/design.md §6). `llmaas serve` reads them before it imports Ray."""
 
 from __future__ import annotations
 

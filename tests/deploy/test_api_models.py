@@ -1,4 +1,4 @@
-"""How an OpenAI `messages` list meets a stored conversation (DESIGN.md §6), and the error mapping:
+"""How an OpenAI `messages` list meets a stored conversation (docs/design.md §6), and the error mapping:
 pure functions, no server."""
 
 from __future__ import annotations
