@@ -1,4 +1,4 @@
-"""The model executor: holds the active context's working set and runs calls (DESIGN.md §4 steps 1-6).
+"""The model executor: holds the active context's working set and runs calls (docs/design.md §4, steps 1-6).
 
 One call: wait for the previous call's write-back, ask the governor to lock and plan, restore the
 context's K/V into the working set (resident chunks decoded, swapped chunks loaded, the rest
@@ -9,8 +9,10 @@ chunks and hand them to the governor (after the reply: ahead-of-time swap-out ha
 compute dtype: it includes waiting for a pending write-back, eviction and on-demand writes done for
 this restore, reading, de-quantizing and recomputing; it excludes the new prompt's prefill and decode.
 
-The restore itself is delegated to a `restorer` (`InProcessRestorer` here; `actors.recompute` has the
-pipelined one). A plain class: `actors.service` makes it a Ray actor or calls it directly.
+The restore itself is delegated to a `restorer` (`InProcessRestorer` here; `actors.ray_actors` has the
+one on Ray). A plain class implementing `actors.ports.ExecutorPort`: `actors.service.wire_local` calls
+it directly, `actors.ray_actors.ExecutorActor` makes it a Ray actor. What it deliberately does not
+know: policies (the governor's), how chunks are stored (the IO worker's), HTTP.
 """
 
 from __future__ import annotations
@@ -27,38 +29,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from actors.governor import CallPlan
-from actors.recompute import RestoreStats, stage_seconds
+from actors.messages import CallOutcome, CallPlan, RestoreRequest, RestoreStats
+from actors.recompute import pipelined_restore, stage_seconds
 from engine.chat import Conversation, Turn
-from engine.context import ContextEngine, Context as EngineContext
+from engine.context import ContextEngine, LiveContext
 from engine.density import DensityTracker
 from engine.kvcache import KVCache
 from engine.sampling import BadRequestError
 from engine.threads import single_threaded_torch
 from storage import codecs
-
-
-@dataclass(slots=True)
-class CallOutcome:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    switch_ms: float
-    """Context switching latency (DESIGN.md §1)."""
-    restore: RestoreStats
-    predicted_restore_ms: float
-    """The planner's prediction of the restore, ms (0 for a hit)."""
-    model_restore_ms: float
-    """The one-shot profile's own prediction of it, without online correction, ms."""
-    ttft_s: float
-    """Time to first token from the call's arrival at the executor (switch included), seconds."""
-    total_s: float
-    prefilled_tokens: int
-    cached_tokens: int
-    hit: bool = False
-    """The working set still held the whole context: nothing was restored."""
 
 
 def density_blob(tr: DensityTracker) -> bytes:
@@ -81,17 +60,40 @@ class CallTimeoutError(TimeoutError):
     code = "timeout"
 
 
+def _check_deadline(deadline: float | None, message: str) -> None:
+    if deadline is not None and time.time() > deadline:
+        raise CallTimeoutError(message)
+
+
+@dataclass(slots=True)
+class _Step:
+    """A call between locking its context and committing it."""
+
+    plan: CallPlan
+    """The governor's plan (a placeholder with no chunks when the working set holds the context)."""
+    cached: bool
+    """The working set holds the whole context: nothing to restore."""
+    ectx: "LiveContext | None"
+    """The engine context kept from the last call, when it is this context's."""
+    confirm: Callable[[], None] | None
+    """Waits for a deferred `begin_cached_call` (None once done or when not deferred)."""
+
+
 STREAM_MIN_BYTES = 48 << 20
 """A restore that de-quantizes at least this many bytes of K/V writes them with non-temporal stores
-(`codecs.decode(..., stream=True)`). On the 2-core Xeon test VM a write-then-read of 48 MB took 6.5 ms
-that way against 7.5 ms with ordinary stores, of 32 MB 5.2 against 4.6 (the caches still help), and
-a 74 MB restore's de-quantizing 4.2 against 8.2 ms (docs/benchmarks.md, "Context switching", session 17)."""
+(`codecs.decode(..., stream=True)`): below it the caches still help ordinary stores (the measured
+crossover is in docs/benchmarks.md, "Tuning at the edge")."""
 
 
-def streams(ws: KVCache, n_chunks: int) -> bool:
+def use_streaming_stores(ws: KVCache, n_chunks: int) -> bool:
     """Whether de-quantizing `n_chunks` chunks into `ws` is large enough for non-temporal stores."""
     per_chunk = ws.nbytes() // ws.capacity * ws.chunk_tokens
     return ws.device.type == "cpu" and n_chunks * per_chunk >= STREAM_MIN_BYTES
+
+
+GROUP_LAYERS = 6
+"""Layers per group a pipelined restore streams in one process (the Ray restorer sizes its groups per
+restore); the governor plans with the resulting number of groups (Eq. 4')."""
 
 
 class InProcessRestorer:
@@ -105,7 +107,7 @@ class InProcessRestorer:
     the timeline, so the decode stage counts the work done, not the part the reads left visible."""
 
     def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h,
-                 threads: int = 2, group_layers: int = 6) -> None:
+                 threads: int = 2, group_layers: int = GROUP_LAYERS) -> None:
         self.model = model
         self.threads = threads
         self.group_layers = group_layers
@@ -122,7 +124,7 @@ class InProcessRestorer:
         kv = ws.kv.numpy() if ws.device.type == "cpu" else None
         events = stats.timeline
 
-        stream = streams(ws, len(plan.resident) + len(plan.load))
+        stream = use_streaming_stores(ws, len(plan.resident) + len(plan.load))
 
         def submit(i: int, enc: codecs.EncodedChunk):
             if self.pool is None or kv is None:  # off the CPU the device's own queue orders the copies
@@ -163,7 +165,6 @@ class InProcessRestorer:
         (file reads and lz4 release the GIL) while this thread decodes and recomputes layer by layer."""
         import queue
 
-        from actors.recompute import RestoreRequest, pipelined_restore
         from actors.swapio import layer_groups
 
         groups = layer_groups(self.model.cfg.n_layers, self.group_layers)
@@ -201,7 +202,7 @@ def decode_timed(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.Encoded
                  stream: bool = False) -> None:
     """De-quantize chunk `i` into the working set (`kv`: its numpy view on the CPU, else None) and
     add its ("decode", i, start, end) event to `events` (safe from several threads). `stream`: see
-    `streams`."""
+    `use_streaming_stores`."""
     a = time.monotonic()
     _decode_into(ws, kv, i, enc, stream)
     events.append(("decode", i, a, time.monotonic()))  # list.append is atomic under the GIL
@@ -235,7 +236,7 @@ class ModelExecutor:
         """Handles for encoded chunks, one per chunk, in order (on Ray: object refs, put in one go)."""
         self.chunk = engine.cfg.chunk_tokens
         self.ws = working_set or self.model.new_cache(engine.limit)
-        self._last: tuple[str, str | None, EngineContext] | None = None
+        self._last: tuple[str, str | None, LiveContext] | None = None
         """(context, app, engine context) of the last call, while the working set holds it."""
         self.level_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[
             self.model.dtype
@@ -279,11 +280,10 @@ class ModelExecutor:
         if len(ids) > self.engine.tail_room():
             raise PromptTooLongError(f"the conversation of {len(ids)} tokens does not fit the context limit "
                                      f"of {self.engine.limit} tokens")
-        ctx = self.gov.new_ctx(app, system_prompt or "")
         state = {"system_prompt": system_prompt, "turns": [{"role": t.role, "text": t.text} for t in turns] if history else [],
                  "kv_tokens": 0, "overflows": 0}
-        self.gov.registry.save_state(ctx, np.asarray(ids, dtype=np.int64), tok.decode(ids), json.dumps(state), b"")
-        return ctx
+        return self.gov.new_ctx(app, system_prompt or "", np.asarray(ids, dtype=np.int64), tok.decode(ids),
+                                json.dumps(state))
 
     def flush(self) -> None:
         """Wait for the last call's write-back."""
@@ -291,92 +291,144 @@ class ModelExecutor:
             self._pending.result()
             self._pending = None
 
+    def forget(self, ctx: str) -> None:
+        """`ctx` is being deleted: its write-back must end first, and the working set lets it go."""
+        self.flush()
+        if self.ws_ctx == ctx:
+            self.ws_ctx = None
+
+    def ready(self) -> None:
+        """In one process the executor is always ready (`ExecutorPort.ready`)."""
+
+    def stream(self, app: str | None, ctx: str, prompt: str, params: dict):
+        """`call` as the port has it: text deltas, then the `CallOutcome` as the last item."""
+        outcome = yield from self.call(app, ctx, prompt, **params)
+        yield outcome
+
     # ---- a call -----------------------------------------------------------------------------------
-    def call(self, app: str | None, ctx_id: str, prompt: str, deadline: float | None = None, **params):
+    def call(self, app: str | None, ctx_id: str, prompt: str, deadline: float | None = None,
+             request_id: str | None = None, **params):
         """Generator of text deltas; returns a `CallOutcome` (StopIteration.value). `deadline`
-        (`time.time()` seconds): past it the call stops, rolls back and raises `CallTimeoutError`."""
+        (`time.time()` seconds): past it the call stops, rolls back and raises `CallTimeoutError`.
+        `request_id`: a call retried with the id of one already committed runs nothing and returns
+        the committed turn (a retry after the executor stopped between the commit and the reply)."""
         with self._lock:
-            if deadline is not None and time.time() > deadline:
-                raise CallTimeoutError("the call waited past its deadline before it started")
+            _check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
             self.flush()  # a pending write-back is waited for inside switch_ms
-            cached = self.ws_ctx == ctx_id and not self.ws.missing
-            # the working set holds this context from the same app's last call: nothing to restore, and
-            # a governor one hop away (Ray) takes the lock while the call runs, checked before the commit
-            last = self._last if cached and self._last[1] == app else None
-            nowait = getattr(self.gov, "begin_call_nowait", None) if last is not None else None
-            confirm = None
-            if nowait is not None:
-                confirm = nowait(ctx_id, app)
-                plan = CallPlan(ctx=ctx_id, token_ids=np.zeros(0, np.int32), state=None, density=b"",
-                                kv_tokens=self.ws.length, resident=[], load=[], recompute=[])
-            else:
-                saved = self._saved.get(ctx_id)
-                plan = self.gov.begin_call(ctx_id, app, cached=cached, known=saved[0] if saved else None)
-                if plan.reused:
-                    if saved is None or saved[0] != plan.version:  # not expected: the governor checked
-                        self.gov.abort_call(ctx_id)
-                        raise RuntimeError(f"the plan of {ctx_id} reuses version {plan.version}, which this "
-                                           "executor does not hold")
-                    _v, plan.token_ids, plan.state, plan.density = saved
+            step = self._lock_and_plan(app, ctx_id)
             try:
-                stats = RestoreStats()
-                if not cached:
-                    tr = time.perf_counter()
-                    stats = self._restore(plan)
-                    stats.seconds = time.perf_counter() - tr
+                replay = self._committed_outcome(step, request_id)
+                if replay is not None:
+                    self.gov.abort_call(ctx_id)
+                    return replay
+                stats = self._restore_step(step)
                 switch_ms = (time.perf_counter() - t0) * 1000
-                if not cached:
-                    self.gov.record_restore(ctx_id, stats.seconds, stage_seconds(stats.timeline))
-                ectx = last[2] if confirm is not None else self._engine_context(plan)
-                old_kv, old_overflows = ectx.cache.length, ectx.overflows
                 t_engine = time.perf_counter()
-                stream = self.engine.stream(ectx, prompt, **params)
-                for delta in stream:
-                    if deadline is not None and time.time() > deadline:
-                        raise CallTimeoutError("the call ran past its deadline; its turn was rolled back")
-                    yield delta
-                r = stream.result
-                if ectx.cache is not self.ws:  # an overflow re-prefilled into a new cache: take it over
-                    n = ectx.cache.length
-                    self.ws.truncate(0)
-                    self.ws.reserve(n)
-                    self.ws.kv[:, :, :, :n].copy_(ectx.cache.kv[:, :, :, :n])
-                    ectx.cache = self.ws
-                first_modified = 0 if ectx.overflows != old_overflows else old_kv // self.chunk
-                if confirm is not None:
-                    confirm()  # the deferred begin_call's errors surface here, before anything is committed
-                    confirm = None
-                todo = self._commit(plan, ectx, first_modified, restored=list(plan.recompute))
+                ectx, first_modified, r = yield from self._run_engine(step, prompt, deadline, params)
+                if step.confirm is not None:
+                    step.confirm()  # the deferred begin_call's errors surface here, before anything is committed
+                    step.confirm = None
+                todo = self._commit(step.plan, ectx, first_modified, list(step.plan.recompute), request_id, r)
             except BaseException:
-                self._last = None  # the working set may hold a half call: restore next time
-                if confirm is not None:
-                    with contextlib.suppress(Exception):
-                        confirm()
-                self.gov.abort_call(ctx_id)
+                self._abort(step)
                 raise
             self._last = (ctx_id, app, ectx)
-            job = lambda: self._write_back(ctx_id, todo)  # noqa: E731
-            if self._bg is not None:
-                self._pending = self._bg.submit(job)
-            else:
-                job()
+            self._schedule_write_back(ctx_id, todo)
         return CallOutcome(
-            text=r.text,
-            token_ids=r.token_ids,
-            finish_reason=r.finish_reason,
-            prompt_tokens=r.prompt_tokens,
-            completion_tokens=r.completion_tokens,
-            switch_ms=switch_ms,
-            restore=stats,
-            predicted_restore_ms=plan.predicted_s * 1000 if not cached else 0.0,
-            model_restore_ms=plan.model_predicted_s * 1000 if not cached else 0.0,
+            text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
+            completion_tokens=r.completion_tokens, switch_ms=switch_ms, restore=stats,
+            predicted_restore_ms=step.plan.predicted_s * 1000 if not step.cached else 0.0,
+            model_restore_ms=step.plan.model_predicted_s * 1000 if not step.cached else 0.0,
             ttft_s=t_engine - t0 + r.ttft_s,  # from the call's arrival: the switch is inside
-            total_s=time.perf_counter() - t0,
-            prefilled_tokens=r.prefilled_tokens,
-            cached_tokens=r.cached_tokens,
-            hit=cached,
-        )
+            total_s=time.perf_counter() - t0, prefilled_tokens=r.prefilled_tokens,
+            cached_tokens=r.cached_tokens, hit=step.cached)
+
+    # ---- the call's steps ---------------------------------------------------------------------------
+    def _lock_and_plan(self, app: str | None, ctx_id: str) -> "_Step":
+        """Lock the context at the governor and get its plan. When the working set holds this context
+        from the same app's last call there is nothing to restore, and the governor's answer may come
+        while the call runs (`begin_cached_call`): it is checked before the commit."""
+        cached = self.ws_ctx == ctx_id and not self.ws.missing
+        last = self._last if cached and self._last[1] == app else None
+        if last is not None:
+            confirm = self.gov.begin_cached_call(ctx_id, app)
+            plan = CallPlan(ctx=ctx_id, token_ids=np.zeros(0, np.int32), state=None, density=b"",
+                            kv_tokens=self.ws.length, resident=[], load=[], recompute=[])
+            return _Step(plan, cached, last[2], confirm)
+        saved = self._saved.get(ctx_id)
+        plan = self.gov.begin_call(ctx_id, app, cached=cached, known=saved[0] if saved else None)
+        if plan.reused:
+            if saved is None or saved[0] != plan.version:  # not expected: the governor checked
+                self.gov.abort_call(ctx_id)
+                raise RuntimeError(f"the plan of {ctx_id} reuses version {plan.version}, which this "
+                                   "executor does not hold")
+            _v, plan.token_ids, plan.state, plan.density = saved
+        return _Step(plan, cached, None, None)
+
+    def _committed_outcome(self, step: "_Step", request_id: str | None) -> CallOutcome | None:
+        """The outcome of the call `request_id` names when the context's last commit was that call."""
+        if request_id is None:
+            return None
+        if step.confirm is not None:
+            step.confirm()
+            step.confirm = None
+        saved = self._saved.get(step.plan.ctx)
+        state_json = step.plan.state if step.ectx is None else (saved[2] if saved else None)
+        state = json.loads(state_json) if state_json else {}
+        done = state.get("request") or {}
+        if done.get("id") != request_id:
+            return None
+        text = state["turns"][-1]["text"] if state.get("turns") else ""
+        return CallOutcome(text=text, token_ids=list(done.get("token_ids", [])),
+                           finish_reason=done.get("finish_reason", "stop"),
+                           prompt_tokens=done.get("prompt_tokens", 0), completion_tokens=done.get("completion_tokens", 0),
+                           switch_ms=0.0, restore=RestoreStats(), predicted_restore_ms=0.0, model_restore_ms=0.0,
+                           ttft_s=0.0, total_s=0.0, prefilled_tokens=0, cached_tokens=0, hit=True)
+
+    def _restore_step(self, step: "_Step") -> RestoreStats:
+        """Make the context's K/V attendable (nothing to do on a hit) and report the measurement."""
+        if step.cached:
+            return RestoreStats()
+        tr = time.perf_counter()
+        stats = self._restore(step.plan)
+        stats.seconds = time.perf_counter() - tr
+        self.gov.record_restore(step.plan.ctx, stats.seconds, stage_seconds(stats.timeline))
+        return stats
+
+    def _run_engine(self, step: "_Step", prompt: str, deadline: float | None, params: dict):
+        """Prefill and decode against the restored context (a generator of deltas); returns the engine
+        context, the first chunk the call changed and the engine's result."""
+        ectx = step.ectx if step.ectx is not None else self._engine_context(step.plan)
+        old_kv, old_overflows = ectx.cache.length, ectx.overflows
+        stream = self.engine.stream(ectx, prompt, **params)
+        for delta in stream:
+            _check_deadline(deadline, "the call ran past its deadline; its turn was rolled back")
+            yield delta
+        if ectx.cache is not self.ws:  # an overflow re-prefilled into a new cache: take it over
+            n = ectx.cache.length
+            self.ws.truncate(0)
+            self.ws.reserve(n)
+            self.ws.kv[:, :, :, :n].copy_(ectx.cache.kv[:, :, :, :n])
+            ectx.cache = self.ws
+        first_modified = 0 if ectx.overflows != old_overflows else old_kv // self.chunk
+        return ectx, first_modified, stream.result
+
+    def _abort(self, step: "_Step") -> None:
+        """A call failed: the working set may hold half of it (restore next time); unlock the context."""
+        self._last = None
+        if step.confirm is not None:
+            with contextlib.suppress(Exception):
+                step.confirm()
+        self.gov.abort_call(step.plan.ctx)
+
+    def _schedule_write_back(self, ctx: str, todo: dict[int, str]) -> None:
+        """Encode and admit the call's chunks after the reply (on the write-back thread when there is one)."""
+        job = lambda: self._write_back(ctx, todo)  # noqa: E731
+        if self._bg is not None:
+            self._pending = self._bg.submit(job)
+        else:
+            job()
 
     def _restore(self, plan: CallPlan) -> RestoreStats:
         ws = self.ws
@@ -393,14 +445,14 @@ class ModelExecutor:
             self.gov.loaded(plan.ctx, [(i, next(handles) if not _is_handle(enc) else enc, n) for i, enc, n in loaded])
         return stats
 
-    def _engine_context(self, plan: CallPlan) -> EngineContext:
+    def _engine_context(self, plan: CallPlan) -> LiveContext:
         state = json.loads(plan.state) if plan.state else {"system_prompt": None, "turns": [], "overflows": 0}
         conv = Conversation([Turn(t["role"], t["text"]) for t in state["turns"]])
         if state.get("system_prompt") is not None and not conv.turns:
             conv.turns.append(Turn("system", state["system_prompt"]))
         tr = DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers)
         density_from_blob(plan.density, tr)
-        return EngineContext(
+        return LiveContext(
             id=plan.ctx,
             system_prompt=state.get("system_prompt"),
             token_ids=[int(t) for t in plan.token_ids],
@@ -410,31 +462,30 @@ class ModelExecutor:
             overflows=state.get("overflows", 0),
         )
 
-    def _commit(self, plan: CallPlan, ectx: EngineContext, first_modified: int, restored: list[int]) -> dict[int, str]:
+    def _commit(self, plan: CallPlan, ectx: LiveContext, first_modified: int, restored: list[int],
+                request_id: str | None, r) -> dict[int, str]:
+        """Make the turn durable at the governor (once per `request_id`); returns the chunks to encode."""
         state = {
             "system_prompt": ectx.system_prompt,
             "turns": [{"role": t.role, "text": t.text} for t in ectx.conv.turns],
             "kv_tokens": ectx.cache.length,
             "overflows": ectx.overflows,
         }
+        if request_id is not None:  # what a retry of this call is answered with
+            state["request"] = {"id": request_id, "finish_reason": r.finish_reason, "token_ids": list(r.token_ids),
+                                "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
         text = self.engine.tok.decode(ectx.token_ids)
         state_json, density = json.dumps(state), density_blob(ectx.density)
-        todo, version = self.gov.commit_call(
-            plan.ctx,
-            ectx.token_ids,
-            text,
-            state_json,
-            density,
-            ectx.cache.length,
-            ectx.density.chunk_density(self.chunk),
-            first_modified,
-            restored,
-        )
-        self._saved[plan.ctx] = (version, np.asarray(ectx.token_ids, dtype=np.int32), state_json, density)
+        reply = self.gov.commit_call(plan.ctx, ectx.token_ids, text, state_json, density, ectx.cache.length,
+                                     ectx.density.chunk_density(self.chunk), first_modified, restored,
+                                     request_id=request_id)
+        if reply.repeated:  # not expected (`_committed_outcome` answered such a call before it ran)
+            raise RuntimeError(f"call {request_id} on {plan.ctx} was committed twice")
+        self._saved[plan.ctx] = (reply.version, np.asarray(ectx.token_ids, dtype=np.int32), state_json, density)
         self._saved.move_to_end(plan.ctx)
         while len(self._saved) > SAVED_CONTEXTS:
             self._saved.popitem(last=False)
-        return todo
+        return reply.todo
 
     def _write_back(self, ctx: str, todo: dict[int, str]) -> None:
         """Encode the chunks the governor asked for and admit them to the pool (after the reply). The

@@ -1,19 +1,20 @@
 """The memory governor: owner of the chunk table, locks, the eviction queue, the pool budget and the
-compression and restore plans (DESIGN.md §4, steps 2 and 5; LLMS §3.2-3.4).
+compression and restore plans (docs/design.md §4, steps 2 and 5; LLMS §3.2-3.4).
 
-It is a plain class; `actors.service` makes it a Ray actor (requesting no CPU) or uses it directly in one
-process. Policies come from `scheduler/` and storage from `storage/`; this class only keeps the books
-and asks them. It never touches K/V data: a resident chunk is an opaque *handle* given by the executor
-(an `EncodedChunk` in one process, an `ObjectRef` to one under Ray), and its size in bytes as stored.
-Chunk files are written by the KV swap/IO worker, which the governor is handed as `io` (an object with
-`write(ctx, [(index, handle, token_start)]) -> [ChunkMeta-like dict]`).
+It is a plain class implementing `actors.ports.GovernorPort`: `actors.service.wire_local` uses it
+directly in one process, `actors.ray_actors.GovernorActor` makes it a Ray actor (requesting no CPU).
+Policies come from `scheduler/` and storage from `storage/`; this class only keeps the books and asks
+them. It never touches K/V data: a resident chunk is an opaque *handle* given by the executor (an
+`EncodedChunk` in one process, a `PoolRef` to one under Ray), and its size in bytes as stored. Chunk
+files are written by the KV swap/IO worker, which the governor is handed as `io` (a
+`actors.ports.SwapIOPort`).
 
 Invariants:
 - the bytes of resident handles the governor holds never exceed the pool budget after `admit`;
 - a chunk of a locked context (one a call is using) is never evicted;
 - a chunk's level only goes down; the way back up is recompute;
-- a chunk with state `swapped`/`both` has a valid file as far as the registry knows; `verify` at
-  start marks the others for recompute.
+- a chunk with state `swapped`/`both` has a file as far as the registry knows; a file found missing
+  or corrupt when read is recomputed from the token ids instead.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from actors.messages import CallPlan, CommitReply
 from scheduler.compression import CompressionPlanner
 from scheduler.errors import CapacityError
 from scheduler.eviction import EvictionQueue
 from scheduler.pipeline import CostProfile, MissingChunk, OnlineCosts, RestoreLog, pipeline_delay, plan_restore, restore_shape
 from scheduler.policies import PolicySet, get_policy
-from storage import codecs
 from storage.registry import ChunkRow, ChunkState, Registry
 
 
@@ -78,37 +79,8 @@ class CtxBook:
     chunks: dict[int, Chunk] = field(default_factory=dict)
     version: int = 0
     """Names the context's saved token ids and state: a new number at every commit (see `begin_call`)."""
-
-
-@dataclass(slots=True)
-class CallPlan:
-    """What the executor needs to make a context's K/V attendable, and to run the call."""
-
-    ctx: str
-    token_ids: np.ndarray
-    """int32 token ids (the source of truth), including ids without K/V yet."""
-    state: str | None
-    """The executor's saved per-context state (JSON), None for a fresh context."""
-    density: bytes
-    kv_tokens: int
-    resident: list[tuple[int, str, Any]]
-    """(chunk index, level, handle) of chunks in the pool."""
-    load: list[tuple[int, str, str]]
-    """(chunk index, level, file name) to read from disk."""
-    recompute: list[int]
-    """Chunk indices to recompute from token ids."""
-    predicted_s: float = 0.0
-    """Predicted restore (pipeline) time, seconds: the profile's models corrected online."""
-    model_predicted_s: float = 0.0
-    """The same restore as the one-shot profile alone predicts it, seconds (for comparison)."""
-    evicted_for_restore: int = 0
-    """Chunks evicted to make room for this restore."""
-    wrote_on_demand: int = 0
-    """Chunks written to disk during this call's switch (on-demand swap-out)."""
-    version: int = 0
-    """The version of the context's token ids and state (`CtxBook.version`)."""
-    reused: bool = False
-    """`token_ids`, `state` and `density` were left out (empty): the caller said it holds this version."""
+    request_id: str | None = None
+    """The request id of the last committed call: a call retried with it appends nothing."""
 
 
 class ContextBusyError(RuntimeError):
@@ -158,7 +130,9 @@ class MemoryGovernor:
                 book = CtxBook(app, version=next(self._versions))
                 saved = self.registry.load_state(summary.id)
                 if saved is not None:
-                    book.kv_tokens = int(json.loads(saved[0]).get("kv_tokens", 0))
+                    state = json.loads(saved[0])
+                    book.kv_tokens = int(state.get("kv_tokens", 0))
+                    book.request_id = (state.get("request") or {}).get("id")  # the executor writes it there
                 for r in self.registry.chunks(summary.id):
                     ch = Chunk(level=r.level, density=r.density)
                     if r.state.on_disk:
@@ -184,10 +158,27 @@ class MemoryGovernor:
         self.stats["interrupted_calls"] += in_flight
         return in_flight
 
+    # ---- apps (the registry's, on behalf of the front) ----------------------------------------------
+    def bind_app(self, app: str) -> str:
+        return self.registry.create_app(app)
+
+    def app_for_token(self, token: str) -> str:
+        return self.registry.app_for_token(token)
+
+    def list_contexts(self, app: str) -> list:
+        return self.registry.list_contexts(app)
+
+    def delete_app(self, app: str) -> None:
+        self.registry.delete_app(app)
+
     # ---- contexts ---------------------------------------------------------------------------------
-    def new_ctx(self, app: str, system_prompt: str = "") -> str:
+    def new_ctx(self, app: str, system_prompt: str = "", token_ids=None, text: str = "",
+                state: str | None = None) -> str:
+        """Create a context; with `state`, also save its first token ids, text and state (the executor's)."""
         ctx = self.registry.create_context(app, system_prompt)
         self.books[ctx] = CtxBook(app, version=next(self._versions))
+        if state is not None:
+            self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, b"")
         return ctx
 
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
@@ -250,6 +241,11 @@ class MemoryGovernor:
         except BaseException:
             self.abort_call(ctx)
             raise
+
+    def begin_cached_call(self, ctx: str, app: str | None) -> Callable[[], None]:
+        """`begin_call(ctx, app, cached=True)`, done now: in one process there is nothing to overlap."""
+        self.begin_call(ctx, app, cached=True)
+        return lambda: None
 
     def _plan(self, ctx: str, book: CtxBook, row, cached: bool) -> CallPlan:
         """`row`: the context's registry row, None to leave its token ids and state out."""
@@ -314,10 +310,6 @@ class MemoryGovernor:
         """Median |ln(measured / predicted)| over the recorded restores."""
         return self.restores.median_abs_log_error()
 
-    def model_restore_error(self) -> float | None:
-        """The same over the one-shot profile's own predictions (no online correction)."""
-        return self.model_restores.median_abs_log_error()
-
     def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> None:
         """The executor's measurement of the restore `begin_call(ctx)` planned: its wall time and,
         when known, the seconds of each stage (scheduler.pipeline.STAGES). Feeds the error logs and
@@ -344,18 +336,26 @@ class MemoryGovernor:
             self._set_resident(ctx, i, ch, handle, nbytes)
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
-                    chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None
-                    ) -> tuple[dict[int, str], int]:
+                    chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
+                    request_id: str | None = None) -> CommitReply:
         """Make the call's new token ids durable (before the reply completes) and plan compression.
 
         `first_modified` is the first chunk whose K/V the call changed (the old partial chunk, or 0
-        after an overflow). Returns {chunk index: level} for every chunk the executor must encode now
-        (the modified ones, those whose planned level dropped, and recomputed ones, `restored`), and
-        the new version of the context's token ids and state (`begin_call`'s `known`).
+        after an overflow). The reply lists {chunk index: level} for every chunk the executor must
+        encode now (the modified ones, those whose planned level dropped, and recomputed ones,
+        `restored`), and the new version of the context's token ids and state (`begin_call`'s `known`).
+
+        `request_id` makes the commit idempotent: when the context's last commit carried the same id
+        (a call retried after its executor stopped between the commit and the reply), nothing is
+        saved and the reply says `repeated`. The id is kept in the saved state too (the executor
+        writes it there), so a governor rebuilt from the registry knows it.
         """
         book = self.books[ctx]
+        if request_id is not None and request_id == book.request_id:
+            return CommitReply({}, book.version, repeated=True)
         self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, density)
         book.version = next(self._versions)
+        book.request_id = request_id
         n_chunks = -(-kv_tokens // self.cfg.chunk_tokens)
         stale = [i for i in book.chunks if i >= first_modified or i >= n_chunks]
         for i in stale:  # their content changed: old resident copies and files are void
@@ -374,7 +374,7 @@ class MemoryGovernor:
                 todo[i] = plan.levels[i]
             if ch is not None:
                 ch.density = float(chunk_density[i])
-        return todo, book.version
+        return CommitReply(todo, book.version)
 
     def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
         """Take the call's newly encoded chunks into the pool: (index, level, handle, nbytes). Evicts
@@ -410,6 +410,10 @@ class MemoryGovernor:
     @property
     def pool_used(self) -> int:
         return self.queue.resident_bytes
+
+    def held_nbytes(self) -> int:
+        """Bytes of resident chunks in the pool (`pool_used`, as a port method)."""
+        return self.pool_used
 
     def held_handles(self) -> list[Any]:
         return [ch.handle for b in self.books.values() for ch in b.chunks.values() if ch.handle is not None]
@@ -504,16 +508,3 @@ class MemoryGovernor:
                 state = ChunkState.MISSING
             rows.append(ChunkRow(i, state, ch.level, ch.file, ch.checksum, ch.file_nbytes, ch.density))
         self.registry.upsert_chunks(ctx, rows, durable=durable)
-
-    # ---- reporting ---------------------------------------------------------------------------------
-    def pool_report(self) -> dict:
-        by_level: dict[str, int] = {}
-        for b in self.books.values():
-            for ch in b.chunks.values():
-                if ch.handle is not None:
-                    by_level[ch.level] = by_level.get(ch.level, 0) + 1
-        return {"used": self.pool_used, "budget": self.cfg.pool_bytes, "resident_by_level": by_level, **self.stats}
-
-
-def encoded_nbytes(enc: codecs.EncodedChunk) -> int:
-    return enc.nbytes

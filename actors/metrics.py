@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md §7), exported with prometheus-client by the actors that know them.
+"""Prometheus metrics (docs/design.md §7), exported with prometheus-client by the actors that know them.
 
 Each process that exports (the HTTP ingress, the model executor, the memory governor, the KV swap/IO
 worker) serves its own registry on a loopback port chosen by the kernel and lists it in a Prometheus
@@ -27,7 +27,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "llmaas_"
-        self.switch = Histogram(p + "context_switch_seconds", "Context switching latency (DESIGN.md §1): from "
+        self.switch = Histogram(p + "context_switch_seconds", "Context switching latency (docs/design.md §1): from "
                                 "the call's arrival until every K/V can be attended", ["policy", "outcome"],
                                 buckets=SWITCH_BUCKETS, registry=r)
         self.ttft = Histogram(p + "ttft_seconds", "Time to first token, from the call's arrival at the executor",
@@ -44,7 +44,7 @@ class Metrics:
                                    "restore time over recent restores", ["policy"], registry=r)
         self.cost_factor = Gauge(p + "restore_cost_factor", "Online correction of the profile's restore cost "
                                  "models: measured over profiled seconds of each stage (io, decode, recompute), "
-                                 "the median over the last 9 restores", ["policy", "stage"], registry=r)
+                                 "the median over recent restores", ["policy", "stage"], registry=r)
         self.active = Gauge(p + "active_contexts", "Contexts known to the memory governor", ["policy"], registry=r)
         self.pool = Gauge(p + "kv_pool_bytes", "KV pool: resident bytes as stored, the budget, and bytes on disk",
                           ["state"], registry=r)

@@ -1,4 +1,4 @@
-"""The recompute worker and the pipelined restore (LLMS §3.3, Fig. 8; DESIGN.md §4 step 3).
+"""The recompute worker and the pipelined restore (LLMS §3.3, Fig. 8; docs/design.md §4 step 3).
 
 The worker holds the model (weights memory-mapped read-only, shared with the executor) and maps the
 executor's working set, a shared-memory buffer `[L, 2, Hkv, capacity, D]`. For a restore it decodes the
@@ -16,64 +16,16 @@ shows up after its first layers were used), so a restore never yields wrong K/V.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from multiprocessing import shared_memory
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
+from actors.messages import RestoreRequest, RestoreStats
 from engine.config import ModelConfig
 from engine.kvcache import KVCache
 from storage import codecs
-
-
-@dataclass(slots=True)
-class RestoreRequest:
-    ctx: str
-    kv_tokens: int
-    token_ids: np.ndarray
-    resident: list[tuple[int, Any]]
-    """(chunk index, handle) of chunks decoded from the pool."""
-    load: list[int]
-    recompute: list[int]
-    groups: list[range]
-    """Layer groups the IO worker streams."""
-    shm_name: str = ""
-    """The executor's working-set segment."""
-    capacity: int = 0
-    """Its capacity in tokens."""
-    staging: tuple[int, int] | None = None
-    """(offset, size) of the staging area in that segment (`actors.swapio.StagedChunk`), if any."""
-    present: list[int] = field(default_factory=list)
-    """Chunks the caller fills itself: concurrently with a restore that recomputes nothing (resident
-    chunks the executor decodes while this restore loads others), or before it (a recompute reads them)."""
-    recompute_failed: bool = True
-    """Recompute loaded chunks whose file failed here; False: leave them missing, listed in `failed`,
-    for the caller (whose concurrent `present` chunks a recompute would read half-filled)."""
-
-
-@dataclass(slots=True)
-class RestoreStats:
-    """What one restore did (in one process or on Ray); part of a call's outcome."""
-
-    resident: int = 0
-    """Chunks decoded from the pool."""
-    loaded: int = 0
-    """Chunks read from disk."""
-    loaded_bytes: int = 0
-    staged_bytes: int = 0
-    """Of `loaded_bytes`, those handed over through the staging area (shared memory) on Ray, not as
-    objects of the object store."""
-    recomputed: int = 0
-    faults: int = 0
-    """Chunks whose file was missing or corrupt, recomputed instead."""
-    failed: dict[int, str] = field(default_factory=dict)
-    """Those chunks' error codes."""
-    seconds: float = 0.0
-    """Wall time of the restore itself."""
-    timeline: list = field(default_factory=list)
-    """(what, layer or group, start, end) events, time.monotonic() seconds, for pipeline tests."""
 
 
 _STAGE_OF = {"resident": "decode", "decode": "decode", "read": "io", "recompute": "recompute"}
@@ -206,6 +158,10 @@ class RecomputeWorker:
         retain_freed_memory()
         self.model = Transformer.from_directory(model_dir, engine_cfg, fingerprint=fingerprint)
         self.chunk_tokens = engine_cfg.chunk_tokens
+        if io is not None:
+            from actors.ray_stubs import SwapIOStub
+
+            io = SwapIOStub(io)
         self.io = io
         self.shm = None
         self.ws: KVCache | None = None
@@ -230,7 +186,7 @@ class RecomputeWorker:
         staged = [0]
         if req.load:
             staging = (req.shm_name, *req.staging) if req.staging else None
-            gen = self.io.read_groups.remote(req.ctx, req.load, req.groups, staging)
+            gen = self.io.read_groups(req.ctx, req.load, req.groups, staging)
             stream = (ray.get(ref) for ref in gen)
             if staging is not None:
                 area = np.ndarray(req.staging[1], np.uint8, buffer=self.shm.buf, offset=req.staging[0])

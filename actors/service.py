@@ -1,24 +1,28 @@
-"""The context service's Python front (LLMS Table 1: `bind`, `new_ctx`, `call`, `delete_ctx`), wiring the
-memory governor, KV swap/IO worker, recompute worker and model executor together.
+"""The context service's one front (LLMS Table 1: `bind`, `new_ctx`, `call`, `delete_ctx`) over the
+ports of one node, and the configuration every component is built from.
 
-`LocalService` wires the plain classes in one process (no Ray): the reference for the actor path and
-what the Ray-free policy tests drive. The Ray wiring lives in `actors.ray_service`.
+`ContextService` speaks only to a `GovernorPort` and an `ExecutorPort`: it runs the same in one
+process (`wire_local`, here) and on Ray (`actors.ray_service.wire_ray`). Both wirings take their
+components' configurations from `components`, so the two cannot drift apart.
+
+What this module deliberately does not know: HTTP (`deploy/`), and how a transport moves data.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from actors.config import ServiceConfig
-from actors.executor import CallOutcome, InProcessRestorer, ModelExecutor
-from actors.governor import GovernorConfig, MemoryGovernor
-from actors.swapio import KVSwapIO, layer_groups
+from actors.governor import GovernorConfig
+from actors.messages import CallInterruptedError, CallOutcome, KVKey
+from actors.ports import ExecutorPort, GovernorPort
 from engine.config import EngineConfig
-from engine.context import ContextEngine
-from scheduler.pipeline import CostProfile
-from storage.chunkfile import ChunkStoreConfig
-from storage.registry import Registry, RegistryConfig
+from storage.chunkstore import ChunkStoreConfig
+from storage.registry import RegistryConfig
 
 
 def drain(gen):
@@ -30,72 +34,187 @@ def drain(gen):
             return stop.value
 
 
-class LocalService:
-    """Everything in this process. `engine` may be passed to share an already loaded model."""
+# ---- one configuration for every component ----------------------------------------------------------
 
-    def __init__(self, config: ServiceConfig, engine: ContextEngine | None = None,
-                 profile: CostProfile | None = None) -> None:
-        self.cfg = config
-        root = Path(config.data_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        if engine is None:
-            engine = ContextEngine.load(None, EngineConfig(max_context_tokens=config.max_context_tokens,
-                                                           chunk_tokens=config.chunk_tokens))
-        elif engine.model.engine_cfg.chunk_tokens != config.chunk_tokens:
-            raise ValueError(f"the engine passed cuts {engine.model.engine_cfg.chunk_tokens}-token chunks but the "
-                             f"service is configured for {config.chunk_tokens}; load a model with that chunk size")
-        elif engine.cfg.max_context_tokens != config.max_context_tokens:
-            engine = ContextEngine(engine.model, engine.tok, EngineConfig(
-                max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens))
-        self.engine = engine
-        fingerprint = getattr(engine, "fingerprint", "") or "unknown-model"
-        self.registry = Registry(str(root / "registry.db"), config=RegistryConfig(
-            max_contexts_per_app=config.max_contexts_per_app, chunk_tokens=config.chunk_tokens))
-        self.io = KVSwapIO(str(root / "chunks"), fingerprint, ChunkStoreConfig(
-            disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
-            read_burst_bytes=config.read_burst_bytes))
-        restorer = InProcessRestorer(engine.model, self.io)
-        self.governor = MemoryGovernor(
-            self.registry, self.io,
-            GovernorConfig(pool_bytes=config.pool_bytes, chunk_tokens=config.chunk_tokens, policy=config.policy,
-                           dtype="float32" if engine.model.dtype.is_floating_point and engine.model.dtype.itemsize == 4 else "bfloat16",
-                           pipeline_groups=len(layer_groups(engine.model.cfg.n_layers, restorer.group_layers))),
-            profile=profile or self._profile(config, engine, fingerprint),
-            clock=time.monotonic)
-        self.executor = ModelExecutor(engine, self.governor, restorer)
 
-    @staticmethod
-    def _profile(config: ServiceConfig, engine: ContextEngine, fingerprint: str) -> CostProfile:
-        if config.profile:
-            return CostProfile.from_json(config.profile)
-        from actors.profiling import load_or_measure
+@dataclass(frozen=True, slots=True)
+class Components:
+    """What each component of a node is built with, derived from one `ServiceConfig`."""
 
-        return load_or_measure(engine.model, fingerprint, read_bytes_per_s=config.read_bytes_per_s)
+    engine: EngineConfig
+    """The model executor's and recompute worker's engine."""
+    registry: RegistryConfig
+    """The governor's registry."""
+    store: ChunkStoreConfig
+    """The KV swap/IO worker's chunk store."""
+    governor: GovernorConfig
+    """The memory governor."""
 
-    # ---- LLMS Table 1 ----------------------------------------------------------------------------
+
+def components(config: ServiceConfig, n_layers: int, dtype: str, device: str = "auto") -> Components:
+    """The components' configurations for a model of `n_layers` layers computing in `dtype`."""
+    from actors.executor import GROUP_LAYERS
+    from actors.swapio import layer_groups
+
+    return Components(
+        engine=EngineConfig(max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
+                            device=device),
+        registry=RegistryConfig(max_contexts_per_app=config.max_contexts_per_app, chunk_tokens=config.chunk_tokens),
+        store=ChunkStoreConfig(disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
+                               read_burst_bytes=config.read_burst_bytes),
+        governor=GovernorConfig(pool_bytes=config.pool_bytes, chunk_tokens=config.chunk_tokens, policy=config.policy,
+                                dtype=dtype, pipeline_groups=len(layer_groups(n_layers, GROUP_LAYERS))),
+    )
+
+
+WEIGHT_FORMAT = "fp32"
+"""The engine's weight format: the checkpoint de-quantized to float (part of every chunk's `KVKey`)."""
+
+
+def dtype_name(torch_dtype) -> str:
+    """`torch.float32` -> "float32": the compute dtype as codecs and configs name it."""
+    return str(torch_dtype).removeprefix("torch.")
+
+
+# ---- the front -----------------------------------------------------------------------------------------
+
+
+class ContextService:
+    """The front of one node's service. `resolve` turns an item of the executor's stream into its
+    value (identity in one process, a fetch on Ray); `parts` holds the transport's own objects (the
+    plain components, or the actor handles) for tests, benchmarks and shutdown."""
+
+    def __init__(self, governor: GovernorPort, executor: ExecutorPort, *, config: ServiceConfig | None = None,
+                 resolve: Callable[[Any], Any] = lambda x: x, parts: Any = None,
+                 close: Callable[[], None] | None = None, model_id: str = "") -> None:
+        self.config = config
+        """What the node was wired from (None when attached to a running one)."""
+        self.governor = governor
+        self.executor = executor
+        self.resolve = resolve
+        self.parts = parts
+        self.model_id = model_id
+        self._close = close
+        self._executor_down = False  # the last call saw the executor stop: wait for it before the next one
+
+    # ---- apps
     def bind(self, app: str) -> str:
         """Register an app; returns its token (shown once, stored hashed)."""
-        return self.registry.create_app(app)
+        return self.governor.bind_app(app)
 
     def app_of(self, token: str) -> str:
-        return self.registry.app_for_token(token)
+        return self.governor.app_for_token(token)
 
-    def new_ctx(self, token: str, system_prompt: str | None = None) -> str:
-        return self.executor.new_ctx(self.app_of(token), system_prompt)
+    # ---- contexts
+    def new_ctx(self, token: str, system_prompt: str | None = None, history: list | None = None) -> str:
+        return self.executor.new_ctx(self.app_of(token), system_prompt, history)
 
-    def stream(self, token: str, ctx: str, prompt: str, **params):
-        """Generator of text deltas; its return value is the `CallOutcome`."""
-        return self.executor.call(self.app_of(token), ctx, prompt, **params)
+    def list_ctx(self, token: str) -> list:
+        return self.governor.list_contexts(self.app_of(token))
+
+    def describe(self, token: str, ctx: str) -> dict:
+        return self.governor.describe(ctx, self.app_of(token))
+
+    def delete_ctx(self, token: str, ctx: str) -> None:
+        self.remove_ctx(self.app_of(token), ctx)
+
+    def remove_ctx(self, app: str, ctx: str) -> None:
+        """Delete `app`'s context `ctx`: the executor lets it go (after its write-back), then the governor
+        deletes its books, rows and files. The one place a context is deleted (the HTTP route too)."""
+        self.governor.describe(ctx, app)  # unknown to this app: refused before the executor is touched
+        self.executor.forget(ctx)
+        self.governor.delete_ctx(ctx, app)
+
+    # ---- calls
+    def stream(self, token: str, ctx: str, prompt: str, request_id: str | None = None, **params):
+        """Generator of text deltas; returns the `CallOutcome` (StopIteration.value). `request_id`
+        (one is made when None): a call sent again with the id of one already committed appends
+        nothing and returns the committed turn. Raises `CallInterruptedError` when the executor stops
+        during the call; the next call waits until it is back."""
+        app = self.app_of(token)
+        if self._executor_down:
+            self.executor.ready()
+            self._executor_down = False
+        params = dict(params, request_id=request_id or uuid.uuid4().hex)
+        try:
+            for item in self.executor.stream(app, ctx, prompt, params):
+                item = self.resolve(item)
+                if isinstance(item, CallOutcome):
+                    return item
+                yield item
+        except CallInterruptedError:
+            self._executor_down = True
+            raise
+        raise RuntimeError("the executor's stream ended without an outcome")
 
     def call(self, token: str, ctx: str, prompt: str, **params) -> CallOutcome:
         return drain(self.stream(token, ctx, prompt, **params))
 
-    def delete_ctx(self, token: str, ctx: str) -> None:
+    def flush(self) -> None:
+        """Wait for the last call's write-back (benchmarks wait here between calls)."""
         self.executor.flush()
-        if self.executor.ws_ctx == ctx:
-            self.executor.ws_ctx = None
-        self.governor.delete_ctx(ctx, self.app_of(token))
 
     def close(self) -> None:
-        self.executor.flush()
-        self.registry.close()
+        if self._close is not None:
+            self._close()
+
+
+# ---- one process ------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LocalParts:
+    """The plain components `wire_local` built."""
+
+    engine: Any
+    registry: Any
+    io: Any
+    governor: Any
+    executor: Any
+    components: Components
+
+
+def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextService:
+    """Everything in this process, no Ray: the reference for the actor path. `engine` may be passed to
+    share an already loaded model; `profile` (a `CostProfile`) skips measuring one."""
+    from actors.executor import InProcessRestorer, ModelExecutor
+    from actors.governor import MemoryGovernor
+    from actors.swapio import KVSwapIO
+    from engine.context import ContextEngine
+    from storage.registry import Registry
+
+    root = Path(config.data_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    if engine is None:
+        engine = ContextEngine.load(None, EngineConfig(max_context_tokens=config.max_context_tokens,
+                                                       chunk_tokens=config.chunk_tokens))
+    elif engine.model.engine_cfg.chunk_tokens != config.chunk_tokens:
+        raise ValueError(f"the engine passed cuts {engine.model.engine_cfg.chunk_tokens}-token chunks but the "
+                         f"service is configured for {config.chunk_tokens}; load a model with that chunk size")
+    parts = components(config, engine.model.cfg.n_layers, dtype_name(engine.model.dtype))
+    if engine.cfg.max_context_tokens != config.max_context_tokens:
+        engine = ContextEngine(engine.model, engine.tok, parts.engine)
+    fingerprint = getattr(engine, "fingerprint", "") or "unknown-model"
+    registry = Registry(str(root / "registry.db"), config=parts.registry)
+    io = KVSwapIO(str(root / "chunks"), KVKey(fingerprint, WEIGHT_FORMAT).record_tag(), parts.store)
+    if profile is None:
+        profile = _local_profile(config, engine, fingerprint)
+    governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)
+    executor = ModelExecutor(engine, governor, InProcessRestorer(engine.model, io))
+
+    def close() -> None:
+        executor.flush()
+        registry.close()
+
+    return ContextService(governor, executor, config=config, close=close, model_id=fingerprint,
+                          parts=LocalParts(engine, registry, io, governor, executor, parts))
+
+
+def _local_profile(config: ServiceConfig, engine, fingerprint: str):
+    from scheduler.pipeline import CostProfile
+
+    if config.profile:
+        return CostProfile.from_json(config.profile)
+    from actors.profiling import load_or_measure
+
+    return load_or_measure(engine.model, fingerprint, read_bytes_per_s=config.read_bytes_per_s)

@@ -1,4 +1,4 @@
-"""The KV swap/IO worker: reads and writes chunk records (pack files) (DESIGN.md §4 step 3, §9).
+"""The KV swap/IO worker: reads and writes chunk records (pack files) (docs/design.md §4 step 3, §9).
 
 A plain class around `storage.ChunkStore`; `actors.service` makes it a Ray actor that requests no CPU.
 Reads for a restore come out per layer group (`read_groups`) or as batches of whole chunks
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from storage.chunkfile import ChunkStore, ChunkStoreConfig
+from storage.chunkstore import ChunkStore, ChunkStoreConfig
 from storage.codecs import EncodedChunk
 from storage.errors import StorageError
 
@@ -196,7 +196,7 @@ class KVSwapIO:
 
         def chunks() -> Iterator[tuple[int, EncodedChunk]]:
             t0, nbytes = time.monotonic(), 0
-            for i, enc in self.store.read_each(ctx, indices):
+            for i, enc in self.store.read(ctx, indices):
                 if isinstance(enc, StorageError):
                     failed[i] = enc.code
                 else:
@@ -253,7 +253,7 @@ class KVSwapIO:
         for g, layers in enumerate(groups):
             t0 = time.monotonic()
             chunks: dict[int, EncodedChunk | StagedChunk] = {}
-            _sort(self.store.read_layers_each(ctx, [i for i in indices if i not in failed], layers),
+            _sort(self.store.read_layers(ctx, [i for i in indices if i not in failed], layers),
                   chunks, failed)
             nbytes = sum(c.nbytes for c in chunks.values())
             chunks = {i: stager.stage(enc) for i, enc in chunks.items()}

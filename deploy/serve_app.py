@@ -1,4 +1,4 @@
-"""The HTTP API as a Ray Serve application (DESIGN.md §6): a FastAPI ingress deployment in front of the
+"""The HTTP API as a Ray Serve application (docs/design.md §6): a FastAPI ingress deployment in front of the
 context service's actors (memory governor, KV swap/IO worker, recompute worker, model executor).
 
 The ingress requests no CPU: it checks tokens and bodies, bounds the calls in flight and queued, and
@@ -20,7 +20,7 @@ import json
 import os
 import time
 import uuid
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any, AsyncIterator
 
 import ray
@@ -30,7 +30,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors import retry
 from actors.config import ServiceConfig
+from actors.messages import CallOutcome
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
 from deploy.api_models import (
@@ -41,17 +43,15 @@ from deploy.api_models import (
 
 # ---- calling the actors from async code --------------------------------------------------------------
 
-async def _aget(method, *args, deadline_s: float = 60.0, **kwargs):
-    """`await method.remote(...)`, retried while the actor restarts (it rebuilds from the registry)."""
-    delay, end = 0.05, time.monotonic() + deadline_s
-    while True:
-        try:
-            return await method.remote(*args, **kwargs)
-        except ray.exceptions.ActorUnavailableError:
-            if time.monotonic() > end:
-                raise APIError("unavailable", "the service is restarting; retry") from None
-            await asyncio.sleep(delay)
-            delay = min(1.0, delay * 2)
+def _request_id(request: Request) -> str:
+    """The call's request id: the client's `Idempotency-Key` (sent again with a retried call, which then
+    appends nothing when the first one was committed), else a new one. Scoped to the context."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return uuid.uuid4().hex
+    if not 1 <= len(key) <= 128 or not key.isprintable():
+        raise APIError("invalid_request", "Idempotency-Key must be 1-128 printable characters")
+    return "client:" + key
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -282,7 +282,7 @@ def _call_reply(o: dict) -> dict:
 @serve.ingress(api)
 class Ingress:
     def __init__(self, service: "dict | None" = None, server: "dict | None" = None) -> None:
-        from actors.ray_service import RayService
+        from actors.ray_service import wire_ray
 
         self.cfg = ServiceConfig(**(service or {}))
         self.server = ServerConfig(**(server or {}))
@@ -296,9 +296,9 @@ class Ingress:
             settings.RUNTIME["metrics"] = m
         self.limiter = _Limiter(self.server.max_ongoing_calls, self.server.max_queued_calls)
         # actors of this replica (a new replica makes new ones; the registry and files carry the state)
-        self.svc = RayService(self.cfg, model_path=self.server.model or None,
-                              prefix=f"llmaas-{uuid.uuid4().hex[:8]}")
-        self.gov, self.executor = self.svc.gov, self.svc.executor
+        self.svc = wire_ray(self.cfg, model_path=self.server.model or None,
+                            prefix=f"llmaas-{uuid.uuid4().hex[:8]}")
+        self.gov, self.executor = self.svc.parts.gov, self.svc.parts.executor  # actor handles
         self.model_id = self.svc.model_id
 
     def __del__(self) -> None:
@@ -309,21 +309,30 @@ class Ingress:
         if svc is not None:
             self.svc = None
             with contextlib.suppress(Exception):
-                svc.shutdown()
+                svc.close()
 
     # ---- helpers ------------------------------------------------------------------------------------
     async def _app(self, request: Request) -> str:
         """The app holding the request's bearer token (401 otherwise)."""
-        return await self._do(self.gov.registry_call, "app_for_token", _bearer(request))
+        return await self._do(self.gov.app_for_token, _bearer(request))
 
     def _is_admin(self, request: Request) -> None:
         if not hmac.compare_digest(_bearer(request).encode(), self.admin.encode()):
             raise APIError("unauthorized", "this route needs the admin token")
 
     async def _do(self, method, *args, **kwargs):
-        """An actor call whose errors become typed API errors."""
+        """An actor call (retried while the actor restarts) whose errors become typed API errors."""
         try:
-            return await _aget(method, *args, **kwargs)
+            return await retry.acall(method, *args, **kwargs)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise from_exception(_cause(e)) from None
+
+    async def _front(self, fn, *args):
+        """A method of the service's front (blocking: run on a thread), its errors typed API errors."""
+        try:
+            return await asyncio.to_thread(fn, *args)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -343,15 +352,18 @@ class Ingress:
             t = min(t, asked)
         return t
 
-    async def _events(self, app: str, ctx: str, prompt: str, params: dict, timeout_s: float) -> AsyncIterator[str | dict]:
-        """Text deltas of one call, then its outcome (a dict). Holds a limiter slot throughout."""
+    async def _events(self, app: str, ctx: str, prompt: str, params: dict, timeout_s: float,
+                      request_id: str) -> AsyncIterator[str | dict]:
+        """Text deltas of one call, then its outcome (a dict). Holds a limiter slot throughout.
+        `request_id`: a call sent again with the id of a committed one appends nothing."""
         deadline = time.time() + timeout_s
         await self.limiter.acquire(timeout_s)
         try:
-            gen = self.executor.call.remote(app, ctx, prompt, dict(params, deadline=deadline))
+            gen = self.executor.stream.remote(app, ctx, prompt, dict(params, deadline=deadline, request_id=request_id))
             try:
                 async for ref in gen:
-                    yield await ref
+                    item = await ref
+                    yield asdict(item) if isinstance(item, CallOutcome) else item
             except Exception as e:  # noqa: BLE001
                 raise from_exception(_cause(e)) from None
         finally:
@@ -384,18 +396,18 @@ class Ingress:
     async def bind(self, body: BindBody, request: Request):
         self._is_admin(request)
         name = check_app_name(body.name)
-        token = await self._do(self.gov.registry_call, "create_app", name)
+        token = await self._do(self.gov.bind_app, name)
         return {"name": name, "token": token}
 
     @api.delete("/v1/apps/{name}", tags=["apps"])
     async def unbind(self, name: str, request: Request):
         self._is_admin(request)
         check_app_name(name)
-        ctxs = await self._do(self.gov.registry_call, "list_contexts", name)
+        ctxs = await self._do(self.gov.list_contexts, name)
         for c in ctxs:
             await self._delete(c.id, name)
         try:
-            await self._do(self.gov.registry_call, "delete_app", name)
+            await self._do(self.gov.delete_app, name)
         except APIError as e:
             if e.code == "unauthorized":  # unknown_app: here the name, not a token, is unknown
                 raise APIError("not_found", f"no app {name!r}") from None
@@ -408,19 +420,19 @@ class Ingress:
         app = await self._app(request)
         system = body.system_prompt if body else None
         ctx = await self._do(self.executor.new_ctx, app, system)
-        return await self._do(self.gov.call, "describe", ctx, app)
+        return await self._do(self.gov.describe, ctx, app)
 
     @api.get("/v1/contexts", tags=["contexts"])
     async def list_ctx(self, request: Request):
         app = await self._app(request)
-        rows = await self._do(self.gov.registry_call, "list_contexts", app)
+        rows = await self._do(self.gov.list_contexts, app)
         return {"contexts": [{"id": r.id, "tokens": r.n_tokens, "created": r.created, "last_used": r.last_used}
                              for r in rows]}
 
     @api.get("/v1/contexts/{ctx}", tags=["contexts"])
     async def get_ctx(self, ctx: str, request: Request):
         app = await self._app(request)
-        return await self._do(self.gov.call, "describe", check_context_id(ctx), app)
+        return await self._do(self.gov.describe, check_context_id(ctx), app)
 
     @api.delete("/v1/contexts/{ctx}", tags=["contexts"])
     async def delete_ctx(self, ctx: str, request: Request):
@@ -429,15 +441,13 @@ class Ingress:
         return {"id": ctx, "deleted": True}
 
     async def _delete(self, ctx: str, app: str) -> None:
-        await self._do(self.gov.call, "describe", ctx, app)  # 404 before touching the executor
-        await self._do(self.executor.forget, ctx)
-        await self._do(self.gov.call, "delete_ctx", ctx, app)
+        await self._front(self.svc.remove_ctx, app, ctx)
 
     @api.post("/v1/contexts/{ctx}/calls", tags=["contexts"])
     async def call(self, ctx: str, body: CallBody, request: Request):
         app = await self._app(request)
         check_context_id(ctx)
-        events = self._events(app, ctx, body.prompt, body.params(), self._timeout(request))
+        events = self._events(app, ctx, body.prompt, body.params(), self._timeout(request), _request_id(request))
         head, events = await self._first(events)
         if body.stream:
             return _sse_response(head, events, lambda d: {"delta": d},
@@ -460,13 +470,13 @@ class Ingress:
         temp = None
         if body.context_id is not None:
             ctx = check_context_id(body.context_id)
-            info = await self._do(self.gov.call, "describe", ctx, app)
+            info = await self._do(self.gov.describe, ctx, app)
             prompt = reconcile(info["turns"], body.messages).prompt
         else:  # stateless: a throwaway context seeded with the conversation so far
             system, history, prompt = split_stateless(body.messages)
             ctx = temp = await self._do(self.executor.new_ctx, app, system, history)
         try:
-            events = self._events(app, ctx, prompt, params, self._timeout(request))
+            events = self._events(app, ctx, prompt, params, self._timeout(request), _request_id(request))
             head, events = await self._first(events)
         except BaseException:
             if temp:

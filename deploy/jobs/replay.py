@@ -7,7 +7,7 @@
 Also `llmaas bench replay ...`, and `ray job submit -- python -m deploy.jobs.replay --ray ...`: under
 `ray job submit` (RAY_ADDRESS set) `--ray` attaches to that cluster (`ray.init(address="auto")`) and
 starts one set of service actors per policy there, which need two free CPUs; otherwise `--ray` starts a
-local Ray for the run. Without `--ray` every policy runs in this process (`LocalService`), the fastest.
+local Ray for the run. Without `--ray` every policy runs in this process (the in-process wiring (`wire_local`)), the fastest.
 
 Writes RESULTS_DIR/calls.csv (one row per call per policy), RESULTS_DIR/summary.json and the trace it
 replayed (RESULTS_DIR/trace.jsonl); `llmaas bench report RESULTS_DIR` turns them into tables and plots.

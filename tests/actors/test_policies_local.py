@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.service import LocalService, ServiceConfig
+from actors.service import ServiceConfig, wire_local
 from bench.passages import load_passages
 from engine.config import EngineConfig
 from engine.context import ContextEngine
@@ -79,11 +79,11 @@ def run(policy, small_engine, texts, reference, tmp_path, max_tokens=MAX_TOKENS)
     level = "q8" if policy in ("vllm-sq", "llms-no-compress") else ("q4" if policy.startswith("llms") else "raw")
     per_chunk = codecs.stored_nbytes(level, (30, 2, 3, 16, 64))
     budget = total_chunks * per_chunk // 4  # room for about 2 of the 8 contexts
-    svc = LocalService(ServiceConfig(data_dir=str(tmp_path / policy), policy=policy, pool_bytes=budget,
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path / policy), policy=policy, pool_bytes=budget,
                                      max_context_tokens=512, profile=PROFILE), engine=small_engine)
     gov = svc.governor
     in_switch, switch_writes = [], []
-    upsert, begin = svc.registry.upsert_chunks, gov.begin_call
+    upsert, begin = svc.parts.registry.upsert_chunks, gov.begin_call
 
     def recorded_upsert(ctx, rows, durable=True):
         if in_switch:
@@ -97,7 +97,7 @@ def run(policy, small_engine, texts, reference, tmp_path, max_tokens=MAX_TOKENS)
         finally:
             in_switch.pop()
 
-    svc.registry.upsert_chunks, gov.begin_call = recorded_upsert, flagged_begin
+    svc.parts.registry.upsert_chunks, gov.begin_call = recorded_upsert, flagged_begin
     checks = []
     for name in ("admit", "loaded", "begin_call"):  # check the budget after every governor step
         orig = getattr(gov, name)
@@ -129,7 +129,7 @@ def run(policy, small_engine, texts, reference, tmp_path, max_tokens=MAX_TOKENS)
     # registry agrees with the governor's books
     assert False not in switch_writes
     for c in ctxs:
-        rows = {r.index: r.state.value for r in svc.registry.chunks(c)}
+        rows = {r.index: r.state.value for r in svc.parts.registry.chunks(c)}
         for i, ch in gov.books[c].chunks.items():
             want = ("both" if ch.handle is not None else "swapped") if ch.file else (
                 "resident" if ch.handle is not None else "missing")
@@ -169,14 +169,14 @@ def test_lossless_policies_match_unconstrained(policy, small_engine, texts, refe
         assert st["killed_contexts"] > 0 and st["recomputed_chunks"] > 0
     else:
         assert st["swap_out_bytes"] > 0 and st["swap_in_bytes"] > 0
-    assert min(len(svc.registry.get_context(c).token_ids) for c in ctxs) >= 64  # >= 4 full chunks
+    assert min(len(svc.parts.registry.get_context(c).token_ids) for c in ctxs) >= 64  # >= 4 full chunks
     ref, _ = reference
     assert outs == ref
     # deleting a context frees its pool bytes, its rows and its files
     held = held_bytes(svc)
     gone = max(ctxs, key=lambda c: sum(ch.nbytes for ch in svc.governor.books[c].chunks.values()))
     svc.delete_ctx(tok, gone)
-    assert gone not in svc.governor.books and gone not in [s.id for s in svc.registry.list_contexts("app")]
+    assert gone not in svc.governor.books and gone not in [s.id for s in svc.parts.registry.list_contexts("app")]
     assert not list((tmp_path / policy / "chunks").glob(f"**/{gone}*"))
     assert held_bytes(svc) <= held
     svc.close()
@@ -217,7 +217,7 @@ def test_lossy_policies_stay_within_perplexity_bound(policy, small_engine, texts
 def test_plans_leave_out_the_token_ids_and_state_the_executor_committed_while_they_are_current(small_engine, tmp_path):
     from storage.errors import UnknownContextError
 
-    svc = LocalService(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=64 << 20,
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=64 << 20,
                                      max_context_tokens=512, profile=PROFILE), engine=small_engine)
     tok = svc.bind("app")
     a, b = svc.new_ctx(tok, "Be brief."), svc.new_ctx(tok, "Be brief.")
@@ -264,7 +264,7 @@ def test_overflow_inside_the_service_keeps_kv_and_density_consistent(small_engin
     and restore after a switch) continue exactly as the plain engine does."""
     limit = 160
     ref_engine = ContextEngine(small_engine.model, small_engine.tok, EngineConfig(max_context_tokens=limit))
-    svc = LocalService(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=64 << 20,
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=64 << 20,
                                      max_context_tokens=limit, profile=PROFILE), engine=small_engine)
     tok = svc.bind("app")
     ctx, other = svc.new_ctx(tok, "Be brief."), svc.new_ctx(tok, "Be brief.")
@@ -292,7 +292,7 @@ def test_cached_profile_is_found_under_the_key_every_reader_uses(tmp_path):
     from types import SimpleNamespace
 
     from actors.profiling import load_or_measure, profile_key
-    from scheduler.pipeline import ProfileCache
+    from actors.profiling import ProfileCache
 
     prof = CostProfile.from_json(PROFILE)
     ProfileCache(tmp_path).put(profile_key("fp", torch.get_num_threads(), 16, 50e6), prof)
@@ -305,7 +305,7 @@ def test_loaded_chunks_are_decoded_while_later_ones_are_read(small_engine, tmp_p
     """In one process a restore without recompute hands each loaded chunk to the decode pool as soon
     as the store has read and checked it: with a slow (throttled) reader, decoding of the first
     chunks ends before the reads of the last ones do, and the answer is still the plain engine's."""
-    svc = LocalService(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=1,
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=1,
                                      max_context_tokens=512, profile=PROFILE, read_bytes_per_s=50e6),
                        engine=small_engine)
     ref = small_engine.new_ctx("You are a concise assistant.")
@@ -331,16 +331,16 @@ def test_profile_reads_ignore_a_one_off_first_read(engine, monkeypatch):
     kernel, ~0.6 s); the profile must not fit it into T_io, or the planner and the uncorrected
     predictions take every restore for several times its cost. A 0.5 s first read is injected."""
     from actors.profiling import measure
-    from storage.chunkfile import ChunkStore
+    from storage.chunkstore import ChunkStore
 
-    first, read_each = [], ChunkStore.read_each
+    first, read = [], ChunkStore.read
 
     def slow_first(self, *a, **k):
         if not first:
             first.append(1)
             time.sleep(0.5)  # the injected fault: a slow first read, not a wait for anything
-        return read_each(self, *a, **k)
+        return read(self, *a, **k)
 
-    monkeypatch.setattr(ChunkStore, "read_each", slow_first)
+    monkeypatch.setattr(ChunkStore, "read", slow_first)
     prof = measure(engine.model, tokens=256, progress=False)
     assert first and prof.io(1 << 20) < 0.015  # a MiB from the page cache: a few ms at most

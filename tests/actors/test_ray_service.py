@@ -35,26 +35,34 @@ def reference(engine):
 
 
 def start(tmp, policy, prefix, **kw):
-    from actors.ray_service import RayService
+    from actors.ray_service import wire_ray
 
     kw.setdefault("profile", CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json())
     cfg = ServiceConfig(data_dir=str(tmp), policy=policy, max_context_tokens=512, **kw)
-    return RayService(cfg, prefix=prefix)
+    return wire_ray(cfg, prefix=prefix)
 
 
 def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster, reference, tmp_path):
     svc = start(tmp_path, "vllm-s", "t-lossless", pool_bytes=3 << 20)  # about 1 of 4 contexts raw
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
-    got = [[svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)]]
+    got = [[svc.call(tok, c, p, max_tokens=8).token_ids for c, p in zip(ctxs, PROMPTS)]]
     outs = [svc.call(tok, c, p, max_tokens=8) for c, p in zip(ctxs, FOLLOW)]
-    got.append([o["token_ids"] for o in outs])
+    got.append([o.token_ids for o in outs])
     assert got == reference[:2]
-    assert sum(o["restore"]["loaded"] for o in outs) > 0  # chunks really came back from disk
+    assert sum(o.restore.loaded for o in outs) > 0  # chunks really came back from disk
     # ... handed over through the staging area in shared memory (by default as large as the working set)
-    assert [o["restore"]["staged_bytes"] for o in outs] == [o["restore"]["loaded_bytes"] for o in outs]
-    assert all(o["switch_ms"] > 0 for o in outs)
-    svc.shutdown()
+    assert [o.restore.staged_bytes for o in outs] == [o.restore.loaded_bytes for o in outs]
+    assert all(o.switch_ms > 0 for o in outs)
+    # both wirings build their components from the same function: the governor actor got what the
+    # in-process wiring gives the governor for the same configuration and model (30 layers, float32)
+    from actors.service import components
+
+    got = ray.get(svc.parts.gov.components.remote())
+    want = components(svc.config, 30, "float32")
+    assert (got.governor, got.registry, got.store) == (want.governor, want.registry, want.store)
+    assert got.governor.pipeline_groups == 5 and got.governor.dtype == "float32"
+    svc.close()
 
     # a full Ray restart (nothing of the old cluster survives: actors, object store, GCS), and the
     # oldest pack of the first context lost meanwhile: the fault primitive recomputes its chunks
@@ -65,9 +73,9 @@ def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster,
     files[0].unlink()
     svc = start(tmp_path, "vllm-s", "t-lossless2", pool_bytes=3 << 20)
     outs = [svc.call(tok, c, LAST, max_tokens=8) for c in ctxs]
-    assert [o["token_ids"] for o in outs] == reference[2]
-    assert outs[0]["restore"]["recomputed"] >= 1 or outs[0]["restore"]["faults"] >= 1
-    svc.shutdown()
+    assert [o.token_ids for o in outs] == reference[2]
+    assert outs[0].restore.recomputed >= 1 or outs[0].restore.faults >= 1
+    svc.close()
 
 
 def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, reference, tmp_path):
@@ -78,25 +86,25 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
     svc = start(tmp_path, "vllm-s", "t-mixed", pool_bytes=7 << 20, staging_bytes=0)
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
-    assert [svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)] == reference[0]
+    assert [svc.call(tok, c, p, max_tokens=8).token_ids for c, p in zip(ctxs, PROMPTS)] == reference[0]
     mixed = []
     for k, c in enumerate(ctxs):
-        ray.get(svc.executor.flush.remote())  # the last write-back done: nothing rewrites the files corrupted here
+        svc.flush()  # the last write-back done: nothing rewrites the files corrupted here
         for f in (tmp_path / "chunks" / c).glob("*.kvp"):  # a payload byte of each pack's last chunk
             b = bytearray(f.read_bytes())
             b[-100] ^= 0xFF
             f.write_bytes(bytes(b))
         o = svc.call(tok, c, FOLLOW[k], max_tokens=8)
-        assert o["token_ids"] == reference[1][k]
-        r = o["restore"]
-        assert r["recomputed"] >= r["faults"] and r["staged_bytes"] == 0
-        mixed.append(r["resident"] >= 1 and r["faults"] >= 1)
+        assert o.token_ids == reference[1][k]
+        r = o.restore
+        assert r.recomputed >= r.faults and r.staged_bytes == 0
+        mixed.append(r.resident >= 1 and r.faults >= 1)
         # the executor de-quantized every chunk that came back whole, each once; the worker recomputed
-        decoded = [i for what, i, *_ in r["timeline"] if what == "decode"]
-        assert len(decoded) == len(set(decoded)) == r["resident"] + r["loaded"]
-        assert not set(decoded) & set(int(i) for i in r["failed"])
+        decoded = [i for what, i, *_ in r.timeline if what == "decode"]
+        assert len(decoded) == len(set(decoded)) == r.resident + r.loaded
+        assert not set(decoded) & set(int(i) for i in r.failed)
     assert any(mixed), "no restore had both resident chunks and a failing load"
-    svc.shutdown()
+    svc.close()
 
 
 def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_path):
@@ -112,10 +120,10 @@ def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_p
     overlapped, sizes = [], []
     for c, p in zip(ctxs, FOLLOW):
         o = svc.call(tok, c, p, max_tokens=4)
-        r = o["restore"]
-        if r["loaded"] and r["recomputed"]:
-            assert r["staged_bytes"] == r["loaded_bytes"] > 0  # the groups came through the staging area
-            tl = r["timeline"]
+        r = o.restore
+        if r.loaded and r.recomputed:
+            assert r.staged_bytes == r.loaded_bytes > 0  # the groups came through the staging area
+            tl = r.timeline
             reads = {g: (s, e) for what, g, s, e in tl if what == "read"}
             recs = {l: s for what, l, s, e in tl if what == "recompute" and l >= 0}
             size = next(n for what, n, _s, _e in tl if what == "group_layers")
@@ -127,12 +135,12 @@ def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_p
     assert sizes and all(1 <= k < 30 for k in sizes), sizes
 
     # actors killed between calls come back (max_restarts) and rebuild from the registry and files
-    ray_cluster.kill(svc.gov, no_restart=False)
-    ray_cluster.kill(svc.recompute, no_restart=False)
+    ray_cluster.kill(svc.parts.gov, no_restart=False)
+    ray_cluster.kill(svc.parts.recompute, no_restart=False)
     outs = [svc.call(tok, c, "One more word?", max_tokens=3) for c in ctxs]
-    assert all(o["completion_tokens"] >= 1 for o in outs)
-    assert sum(o["restore"]["loaded"] + o["restore"]["recomputed"] for o in outs) > 0
-    svc.shutdown()
+    assert all(o.completion_tokens >= 1 for o in outs)
+    assert sum(o.restore.loaded + o.restore.recomputed for o in outs) > 0
+    svc.close()
 
 
 def test_executor_killed_mid_call_restarts_and_answers_exactly(ray_cluster, reference, tmp_path):
@@ -140,28 +148,28 @@ def test_executor_killed_mid_call_restarts_and_answers_exactly(ray_cluster, refe
     Ray restarts the executor, the governor drops the dead process's locks and resident chunks (objects
     it owned) and rebuilds from the registry, and every context then answers exactly as without the
     crash: the interrupted turn left no trace, nothing stays locked, nothing is read from a dead object."""
-    from actors.ray_service import CallInterruptedError
+    from actors.messages import CallInterruptedError
 
     svc = start(tmp_path, "vllm-s", "t-kill", pool_bytes=3 << 20)  # some chunks resident, some on disk
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
-    assert [svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)] == reference[0]
-    ray.get(svc.executor.flush.remote())
-    held = ray.get(svc.gov.held_nbytes.remote())
+    assert [svc.call(tok, c, p, max_tokens=8).token_ids for c, p in zip(ctxs, PROMPTS)] == reference[0]
+    svc.flush()
+    held = ray.get(svc.parts.gov.held_nbytes.remote())
     assert held > 0, "nothing resident: the test would not cover the dead executor's objects"
     gen = svc.stream(tok, ctxs[0], "Tell me a very long story about a lighthouse keeper.", max_tokens=400)
     next(gen)  # the executor is decoding this call
-    ray_cluster.kill(svc.executor, no_restart=False)
+    ray_cluster.kill(svc.parts.executor, no_restart=False)
     with pytest.raises(CallInterruptedError):
         for _ in gen:
             pass
     outs = [svc.call(tok, c, p, max_tokens=8) for c, p in zip(ctxs, FOLLOW)]
-    assert [o["token_ids"] for o in outs] == reference[1]
-    assert all(o["restore"]["resident"] == 0 for o in outs[:1])  # nothing came from the old objects
+    assert [o.token_ids for o in outs] == reference[1]
+    assert all(o.restore.resident == 0 for o in outs[:1])  # nothing came from the old objects
     # the executor holds the refs of exactly the chunks the governor counts resident (none leaked)
-    held = ray.get(svc.executor.held_refs.remote())
-    assert held == len(ray.get(svc.gov.call.remote("held_handles"))) and held > 0
-    svc.shutdown()
+    held = ray.get(svc.parts.executor.held_refs.remote())
+    assert held == len(ray.get(svc.parts.gov.held_handles.remote())) and held > 0
+    svc.close()
 
 
 def test_actor_killed_mid_restore_is_retried_exactly(ray_cluster, reference, tmp_path):
@@ -180,34 +188,34 @@ def test_actor_killed_mid_restore_is_retried_exactly(ray_cluster, reference, tmp
     svc = start(tmp_path, "vllm-s", "t-kill", pool_bytes=1 << 20, read_bytes_per_s=1e6, read_burst_bytes=16 << 10)
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
-    assert [svc.call(tok, c, p, max_tokens=8)["token_ids"] for c, p in zip(ctxs, PROMPTS)] == reference[0]
+    assert [svc.call(tok, c, p, max_tokens=8).token_ids for c, p in zip(ctxs, PROMPTS)] == reference[0]
     outs = []
     for k, (c, p) in enumerate(zip(ctxs, FOLLOW)):
         if k >= len(victims):
             outs.append(svc.call(tok, c, p, max_tokens=8))
             continue
-        ray.get(svc.executor.flush.remote())
+        svc.flush()
         if victims[k] == "recompute":  # a payload byte of the context's last pack: a fault to recompute
             f = sorted((tmp_path / "chunks" / c).glob("*.kvp"))[-1]
             b = bytearray(f.read_bytes())
             b[-100] ^= 0xFF
             f.write_bytes(bytes(b))
-        handle = getattr(svc, victims[k])
+        handle = getattr(svc.parts, victims[k])
         pid = lambda h=handle: ray.get(h.__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
         before = pid()
         kill_after_s = 0.5
         threading.Timer(kill_after_s, os.kill, (before, signal.SIGKILL)).start()  # as the OOM killer would
         o = svc.call(tok, c, p, max_tokens=8)
-        assert o["restore"]["loaded"] >= 1 and o["switch_ms"] > kill_after_s * 1000, victims[k]  # killed in it
+        assert o.restore.loaded >= 1 and o.switch_ms > kill_after_s * 1000, victims[k]  # killed in it
         assert pid() != before, victims[k]  # and restarted
-        assert o["restore"]["faults"] >= (victims[k] == "recompute"), victims[k]
+        assert o.restore.faults >= (victims[k] == "recompute"), victims[k]
         outs.append(o)
-    assert [x["token_ids"] for x in outs] == reference[1]
+    assert [x.token_ids for x in outs] == reference[1]
     # 1 MB/s: a raw chunk a batch, each read in ~0.7 s; a decode that starts after the first batch is
     # read (so of a loaded chunk) and before the last one is must have overlapped the reads
-    tl = outs[-1]["restore"]["timeline"]
+    tl = outs[-1].restore.timeline
     reads = sorted(b for what, _k, _a, b in tl if what == "read")
     assert len(reads) >= 2, tl
     assert any(reads[0] <= a < reads[-1] for what, _i, a, _b in tl if what == "decode"), \
         "no loaded chunk was de-quantized while later ones were still read"
-    svc.shutdown()
+    svc.close()

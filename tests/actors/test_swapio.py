@@ -119,7 +119,7 @@ def test_read_groups_stage_each_groups_layers_in_turn_and_the_worker_takes_them_
             offsets += [c.offset for c in g.chunks.values()]
             back = unstage(g, area, staged)
             for i, enc in back.chunks.items():  # each the same layers as a direct read
-                want = io.store.read_layers(KEY, i, g.layers)
+                ((_, want),) = io.store.read_layers(KEY, [i], g.layers)
                 assert enc.first_layer == g.layers.start and np.array_equal(enc.payload, want.payload)
         assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)  # never overwritten
         assert staged[0] == sum(g.nbytes for g in got) == io.bytes_read

@@ -189,3 +189,20 @@ def test_delete_context(server, app):
         app.context(ctx)
     assert e.value.status == 404
     assert not (server.data_dir / "chunks" / ctx).exists() or not any((server.data_dir / "chunks" / ctx).iterdir())
+
+
+def test_a_call_sent_again_with_its_idempotency_key_appends_once(server, app):
+    """A client that lost the reply sends the call again with the same key: it gets the committed turn
+    and the conversation holds it once; a malformed key is refused before anything runs."""
+    ctx = app.new_ctx(SYSTEM)
+    url = f"{server.url}/v1/contexts/{ctx}/calls"
+    hdr = {**h(app.token), "Idempotency-Key": "turn-1"}
+    first = requests.post(url, json={"prompt": "Name a colour.", "max_tokens": 6}, headers=hdr, timeout=120)
+    assert first.status_code == 200
+    turns = app.context(ctx)["turns"]
+    again = requests.post(url, json={"prompt": "Name a colour.", "max_tokens": 6}, headers=hdr, timeout=120)
+    assert again.status_code == 200 and again.json()["text"] == first.json()["text"]
+    assert app.context(ctx)["turns"] == turns
+    r = requests.post(url, json={"prompt": "x"}, headers={**h(app.token), "Idempotency-Key": "a" * 129}, timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+    assert app.context(ctx)["turns"] == turns

@@ -1,0 +1,220 @@
+"""The messages that cross between the service's roles: call plans, restore requests and their
+statistics, call outcomes, handles of resident chunks, and the key every cached K/V carries.
+
+Plain `slots` dataclasses, importable without Ray, torch or a model: the in-process transport passes
+them as objects, the Ray transport pickles them. Every actor module takes its types from here, so no
+actor module imports another to get a type. What each role does with them is in `actors.ports`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+class CallInterruptedError(RuntimeError):
+    """A call stopped by an actor failure (the actor restarts and rebuilds its state)."""
+
+    code = "interrupted"
+
+
+# ---- keys ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVKey:
+    """What K/V was computed under. K/V made under one key is never attended under another: chunk
+    records carry the key's model part (`record_tag`) and a reader refuses a record with another tag;
+    contexts belong to one app, so no cached K/V crosses apps."""
+
+    fingerprint: str
+    """The model weights' identity (`engine.loader`'s fingerprint of the checkpoint)."""
+    weight_format: str = "fp32"
+    """The weights' format as computed with (`fp32`; quantized formats give other K/V)."""
+    adapter: str = ""
+    """The LoRA adapter applied, "" for the base model."""
+    app: str = ""
+    """The app the K/V belongs to, "" for the model part alone."""
+
+    def model_part(self) -> "KVKey":
+        """The key without its app: what a chunk store shared by every app checks."""
+        return replace(self, app="")
+
+    def record_tag(self) -> str:
+        """The string chunk records carry. The base format (`fp32`, no adapter) is the bare fingerprint,
+        which is what records written before weight formats and adapters existed carry."""
+        tag = self.fingerprint
+        if self.weight_format != "fp32":
+            tag += f";w={self.weight_format}"
+        if self.adapter:
+            tag += f";a={self.adapter}"
+        return tag
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRef:
+    """A resident chunk on Ray: the object ref of the `EncodedChunk` the executor put, and a small key
+    for it. The governor holds the whole handle (the IO worker writes from the ref); a plan sent to the
+    executor carries only the key, which the executor maps back to the ref it holds."""
+
+    key: int
+    """Number the executor gave the chunk when it put it (unique per executor process)."""
+    ref: Any
+    """`ray.ObjectRef` of the encoded chunk."""
+
+
+# ---- a call --------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CallPlan:
+    """What the executor needs to make a context's K/V attendable, and to run the call (the governor's
+    answer to `begin_call`)."""
+
+    ctx: str
+    """The context's id."""
+    token_ids: np.ndarray
+    """int32 token ids (the source of truth), including ids without K/V yet."""
+    state: str | None
+    """The executor's saved per-context state (JSON), None for a fresh context."""
+    density: bytes
+    """The context's saved attention-density sums (`actors.executor.density_blob`)."""
+    kv_tokens: int
+    """Tokens of the context that have K/V (chunks to restore cover them)."""
+    resident: list[tuple[int, str, Any]]
+    """(chunk index, level, handle) of chunks in the pool; on Ray the handle is a `PoolRef.key`."""
+    load: list[tuple[int, str, str]]
+    """(chunk index, level, file name) to read from disk."""
+    recompute: list[int]
+    """Chunk indices to recompute from token ids."""
+    predicted_s: float = 0.0
+    """Predicted restore (pipeline) time, seconds: the profile's models corrected online."""
+    model_predicted_s: float = 0.0
+    """The same restore as the one-shot profile alone predicts it, seconds (for comparison)."""
+    evicted_for_restore: int = 0
+    """Chunks evicted to make room for this restore."""
+    wrote_on_demand: int = 0
+    """Chunks written to disk during this call's switch (on-demand swap-out)."""
+    version: int = 0
+    """The version of the context's token ids and state (a new number at every commit)."""
+    reused: bool = False
+    """`token_ids`, `state` and `density` were left out (empty): the caller said it holds this version."""
+
+
+@dataclass(slots=True)
+class CommitReply:
+    """The governor's answer to `commit_call`."""
+
+    todo: dict[int, str]
+    """Chunk index -> level, for every chunk the executor must encode and `admit` now."""
+    version: int
+    """The new version of the context's token ids and state (`begin_call`'s `known`)."""
+    repeated: bool = False
+    """The call's request id had already been committed: nothing was appended this time."""
+
+
+@dataclass(slots=True)
+class RestoreRequest:
+    """A restore handed to the recompute worker (Ray) or run in process by `pipelined_restore`."""
+
+    ctx: str
+    """The context's id."""
+    kv_tokens: int
+    """Tokens to restore (the working set is reserved to this length)."""
+    token_ids: np.ndarray
+    """The context's token ids, for recompute."""
+    resident: list[tuple[int, Any]]
+    """(chunk index, handle) of chunks decoded from the pool."""
+    load: list[int]
+    """Chunk indices read from disk, layer group by layer group."""
+    recompute: list[int]
+    """Chunk indices recomputed from token ids."""
+    groups: list[range]
+    """Layer groups the IO worker streams."""
+    shm_name: str = ""
+    """The executor's working-set segment."""
+    capacity: int = 0
+    """Its capacity in tokens."""
+    staging: tuple[int, int] | None = None
+    """(offset, size) of the staging area in that segment (`actors.swapio.StagedChunk`), if any."""
+    present: list[int] = field(default_factory=list)
+    """Chunks the caller fills itself: concurrently with a restore that recomputes nothing (resident
+    chunks the executor decodes while this restore loads others), or before it (a recompute reads them)."""
+    recompute_failed: bool = True
+    """Recompute loaded chunks whose file failed here; False: leave them missing, listed in `failed`,
+    for the caller (whose concurrent `present` chunks a recompute would read half-filled)."""
+
+
+@dataclass(slots=True)
+class RestoreStats:
+    """What one restore did (in one process or on Ray); part of a call's outcome."""
+
+    resident: int = 0
+    """Chunks decoded from the pool."""
+    loaded: int = 0
+    """Chunks read from disk."""
+    loaded_bytes: int = 0
+    """Bytes of those chunks as stored."""
+    staged_bytes: int = 0
+    """Of `loaded_bytes`, those handed over through the staging area (shared memory) on Ray, not as
+    objects of the object store."""
+    recomputed: int = 0
+    """Chunks recomputed from token ids (planned and faults)."""
+    faults: int = 0
+    """Chunks whose file was missing or corrupt, recomputed instead."""
+    failed: dict[int, str] = field(default_factory=dict)
+    """Those chunks' error codes."""
+    seconds: float = 0.0
+    """Wall time of the restore itself."""
+    timeline: list = field(default_factory=list)
+    """(what, layer or group, start, end) events, time.monotonic() seconds, for pipeline tests."""
+
+
+@dataclass(slots=True)
+class CallOutcome:
+    """A call's reply and what it cost (the HTTP reply's fields come from here)."""
+
+    text: str
+    """The assistant turn's text."""
+    token_ids: list[int]
+    """Its token ids."""
+    finish_reason: str
+    """`stop`, `length` or the stop string's reason, as the engine gives it."""
+    prompt_tokens: int
+    """Tokens of the conversation the model saw for this turn."""
+    completion_tokens: int
+    """Tokens generated."""
+    switch_ms: float
+    """Context switching latency: from the call's arrival until every K/V of the context can be
+    attended in the compute dtype (restore and any pending write-back; not the new prompt)."""
+    restore: RestoreStats
+    """What the restore did."""
+    predicted_restore_ms: float
+    """The planner's prediction of the restore, ms (0 for a hit)."""
+    model_restore_ms: float
+    """The one-shot profile's own prediction of it, without online correction, ms."""
+    ttft_s: float
+    """Time to first token from the call's arrival at the executor (switch included), seconds."""
+    total_s: float
+    """The call's wall time at the executor, seconds."""
+    prefilled_tokens: int
+    """Tokens prefilled by this call."""
+    cached_tokens: int
+    """Tokens whose K/V was restored rather than prefilled."""
+    hit: bool = False
+    """The working set still held the whole context: nothing was restored."""
+
+
+@dataclass(slots=True)
+class Settled:
+    """The governor actor's answer to a call from the executor on Ray: the call's own result, with the
+    keys of the resident chunks the governor dropped since the executor last heard (their object refs
+    can go) and the governor process's epoch (a new one holds none of the old keys)."""
+
+    value: Any
+    """What the `MemoryGovernor` method returned (a plan's resident chunks named by `PoolRef.key`)."""
+    released: list[int]
+    """`PoolRef.key`s of chunks no longer resident."""
+    epoch: str
+    """Random per governor process."""

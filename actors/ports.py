@@ -1,0 +1,144 @@
+"""The roles of the service as typed ports: what each one offers the others, by name.
+
+Each role is a `Protocol`. Two transports implement them: the plain objects in one process
+(`MemoryGovernor`, `KVSwapIO`, `RecomputeWorker`, `ModelExecutor`), and Ray actors reached through the
+typed stubs of `actors.ray_stubs`, which call the actor's method of the same name. A reader goes from
+a call site to the code it runs by the method's name; nothing is dispatched by a string.
+
+Methods that only steer (plans, commits, bookkeeping) return values on both transports. Methods that
+move K/V return what a consumer can overlap with its own work: iterators of layer groups or chunk
+batches, whose items are the values themselves in one process and object refs on Ray; the consumer
+resolves each item when it needs it (`resolve` in `actors.restore`). No stub hides a `ray.get` of
+moving data.
+
+A fifth role, the query predictor of the RAG cache, gets its port here when it is built.
+
+This module knows no Ray and no model: only the shape of the conversation between the roles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Protocol
+
+import numpy as np
+
+from actors.messages import CallOutcome, CallPlan, CommitReply, RestoreRequest, RestoreStats
+
+
+class GovernorPort(Protocol):
+    """The memory governor: owner of the apps, the contexts' books, the pool, locks and plans."""
+
+    # ---- apps and contexts (the registry it owns)
+    def bind_app(self, app: str) -> str:
+        """Register an app; returns its token (shown once, stored hashed)."""
+
+    def app_for_token(self, token: str) -> str:
+        """The app a bearer token belongs to (`UnknownAppError` otherwise)."""
+
+    def list_contexts(self, app: str) -> list:
+        """The app's contexts (`storage.registry` summaries)."""
+
+    def delete_app(self, app: str) -> None:
+        """Remove an app that has no contexts left."""
+
+    def new_ctx(self, app: str, system_prompt: str, token_ids: np.ndarray, text: str, state: str) -> str:
+        """Create a context with its first token ids and state; returns its id."""
+
+    def describe(self, ctx: str, app: str | None = None) -> dict:
+        """A context's metadata (`GET /v1/contexts/{id}`)."""
+
+    def delete_ctx(self, ctx: str, app: str | None = None) -> None:
+        """Delete a context, its chunks and files."""
+
+    # ---- a call
+    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False,
+                   known: int | None = None) -> CallPlan:
+        """Lock the context and plan its restore."""
+
+    def begin_cached_call(self, ctx: str, app: str | None) -> Callable[[], None]:
+        """`begin_call(ctx, app, cached=True)` for a context the executor's working set holds whole;
+        returns the function that waits for it (and raises its error), so a transport one hop away
+        can let the call run meanwhile."""
+
+    def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> None:
+        """The executor's measurement of the restore it was planned."""
+
+    def loaded(self, ctx: str, chunks: list[tuple[int, Any, int]]) -> None:
+        """Chunks read whole from disk become resident: (index, handle, nbytes)."""
+
+    def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
+                    chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
+                    request_id: str | None = None) -> CommitReply:
+        """Make the call's turn durable (once per request id) and plan the chunks to encode."""
+
+    def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
+        """Take the call's encoded chunks into the pool and unlock the context."""
+
+    def abort_call(self, ctx: str) -> None:
+        """Unlock a context whose call failed."""
+
+    # ---- service
+    def executor_started(self) -> int:
+        """The executor (re)started: unlock and rebuild; returns the calls that were in flight."""
+
+    def set_profile(self, profile_json: str) -> None:
+        """Replace the restore cost profile."""
+
+    def held_nbytes(self) -> int:
+        """Bytes of resident chunks in the pool."""
+
+
+class SwapIOPort(Protocol):
+    """The KV swap/IO worker: chunk records to and from disk."""
+
+    def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
+        """Write chunks (index, handle, token start); returns each record's name, bytes, checksum."""
+
+    def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
+        """Read whole chunks: ({index: EncodedChunk}, {index: error code})."""
+
+    def read_batches(self, ctx: str, indices: list[int], batch: int,
+                     staging: tuple[str, int, int] | None = None) -> Iterator[Any]:
+        """Whole chunks in batches of `batch` (`ChunkBatch` items, object refs on Ray)."""
+
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range],
+                    staging: tuple[str, int, int] | None = None) -> Iterator[Any]:
+        """The chunks layer group by layer group (`LayerGroup` items, object refs on Ray)."""
+
+    def delete(self, ctx: str, index: int) -> None:
+        """Forget one chunk's record."""
+
+    def delete_context(self, ctx: str) -> None:
+        """Forget every record of a context."""
+
+    def usage_bytes(self) -> int:
+        """Bytes of chunk records on disk."""
+
+
+class RecomputePort(Protocol):
+    """The recompute worker: restores that recompute, pipelined with the IO worker's reads."""
+
+    def restore(self, req: RestoreRequest) -> RestoreStats:
+        """Fill the executor's working set for `req`."""
+
+
+class ExecutorPort(Protocol):
+    """The model executor: the working set and the calls."""
+
+    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None) -> str:
+        """Create a context, optionally seeded with earlier (role, text) turns."""
+
+    def stream(self, app: str | None, ctx: str, prompt: str, params: dict) -> Iterator[Any]:
+        """Text deltas (str), then the `CallOutcome` as the last item (object refs on Ray)."""
+
+    def forget(self, ctx: str) -> None:
+        """The context is being deleted: finish its write-back and drop it from the working set."""
+
+    def flush(self) -> None:
+        """Wait for the last call's write-back."""
+
+    def ready(self) -> None:
+        """Return once the executor takes calls (after a restart on Ray)."""
+
+
+__all__ = ["CallOutcome", "ExecutorPort", "GovernorPort", "RecomputePort", "SwapIOPort"]

@@ -1,0 +1,535 @@
+"""The bodies of the service's Ray actors: the memory governor, the KV swap/IO worker and the model
+executor (the recompute worker's is `actors.recompute.RecomputeWorker`), each a thin shell around the
+plain class of its role, plus the restorer the executor uses on Ray.
+
+- governor and IO worker request no CPU; executor and recompute worker one each, with one torch thread
+  each, so torch threads add up to at most 2 on a 2-core node;
+- a restore that recomputes runs in the recompute worker, which consumes the IO worker's stream of
+  layer groups (a Ray streaming generator) and decodes and recomputes into the executor's working
+  set in shared memory; one that does not runs in the executor, which de-quantizes on a pool of two
+  threads while the IO worker streams it batches of chunks (the worker is idle then);
+- resident chunks are `EncodedChunk`s in the object store: the executor puts them, the governor holds
+  the refs and the budget, the IO worker writes them to disk ahead of time;
+- every actor restarts on failure and rebuilds its state from the registry and the chunk files; an
+  interrupted call fails with an error, never with a wrong answer.
+
+The actors reach each other through the typed stubs of `actors.ray_stubs`. What this module
+deliberately does not know: policies (the governor's), the model's internals (the engine's), the
+HTTP API (`deploy/`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from actors.config import ServiceConfig
+from actors.service import Components
+from actors.executor import decode_timed, use_streaming_stores
+from actors.messages import PoolRef, RestoreRequest, RestoreStats, Settled
+from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
+from actors.recompute import handed_over, shared_working_set, working_set_nbytes
+from actors.swapio import KVSwapIO, layer_groups, unstaged
+from engine.threads import single_threaded_torch
+from scheduler.pipeline import HandoverCost, layer_group_size
+from storage import codecs
+
+
+class IOActor(KVSwapIO):
+    """The KV swap/IO worker actor: the plain worker plus its metrics (bytes and seconds each way)."""
+
+    def __init__(self, root: str, fingerprint: str, config, data_dir: str, **kw) -> None:
+        from actors.metrics import Metrics
+        from storage.heap import freeze_startup_objects, retain_freed_memory
+
+        retain_freed_memory()  # fresh read buffers and payloads: keep freed memory, no page faults
+
+        super().__init__(root, fingerprint, config, **kw)
+        m = Metrics()
+        m.start("io", data_dir)
+        for direction in ("in", "out"):
+            m.swap.labels(direction)
+            m.swap_seconds.labels(direction)
+
+        def observe(direction: str, nbytes: int, seconds: float) -> None:
+            m.swap.labels(direction).inc(nbytes)
+            m.swap_seconds.labels(direction).inc(seconds)
+
+        self.observe = observe
+        freeze_startup_objects()  # no full collection walks Ray's and the store's objects mid-restore
+
+
+class GovernorActor:
+    """The memory governor actor: `MemoryGovernor` behind a lock (one method or one gauge publish at a
+    time), its Prometheus gauges, and the `PoolRef` keys of the plans it sends the executor."""
+
+    PUBLISH_DELAY_S = 0.05
+
+    def __init__(self, config: ServiceConfig, parts: Components, io_handle, fingerprint: str) -> None:
+        from actors.governor import MemoryGovernor
+        from actors.metrics import Metrics
+        from actors.profiling import ProfileCache, profile_key
+        from engine.loader import cache_root
+        from scheduler.pipeline import CostProfile
+        from storage.heap import freeze_startup_objects, retain_freed_memory
+        from storage.registry import Registry
+
+        retain_freed_memory()
+        c = config
+        self.parts = parts
+        reg = Registry(str(Path(c.data_dir) / "registry.db"), config=parts.registry)
+        if c.profile:
+            profile = CostProfile.from_json(c.profile)
+        else:  # what the executor measured (one torch thread), if it has already: after a restart
+            profile = ProfileCache(cache_root() / "profiles").get(
+                profile_key(fingerprint, 1, c.chunk_tokens, c.read_bytes_per_s))
+        self._released: list[int] = []  # keys of handles dropped since the executor last heard
+        self.epoch = os.urandom(8).hex()  # this governor process: a new one knows none of the old keys
+        self.gov = MemoryGovernor(reg, SwapIOStub(io_handle), parts.governor, profile=profile, release=self._release)
+        self.metrics = Metrics()
+        self.metrics.start("governor", c.data_dir)
+        self.metrics.evictions.labels(c.policy)
+        self._evictions = 0
+        self._publish()
+        # the gauges are published by a thread of their own, PUBLISH_DELAY_S after a change, so that
+        # their cost is not inside the reply of the call that made it (a switch's `begin_call`)
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        threading.Thread(target=self._publisher, name="publish-gauges", daemon=True).start()
+        freeze_startup_objects()  # no full collection walks the start-up's objects inside a `begin_call`
+
+    def components(self) -> Components:
+        """What this actor was built with (a test compares the two wirings)."""
+        return self.parts
+
+    @contextlib.contextmanager
+    def _books(self):
+        """The governor's books, one method at a time; the gauges follow each change."""
+        try:
+            with self._lock:
+                yield self.gov
+        finally:
+            self._changed.set()
+
+    # ---- GovernorPort ------------------------------------------------------------------------------
+    def bind_app(self, app: str) -> str:
+        with self._books() as g:
+            return g.bind_app(app)
+
+    def app_for_token(self, token: str) -> str:
+        with self._lock:  # reads nothing the gauges show
+            return self.gov.app_for_token(token)
+
+    def list_contexts(self, app: str) -> list:
+        with self._lock:
+            return self.gov.list_contexts(app)
+
+    def delete_app(self, app: str) -> None:
+        with self._books() as g:
+            g.delete_app(app)
+
+    def new_ctx(self, app: str, system_prompt: str, token_ids, text: str, state: str | None) -> str:
+        with self._books() as g:
+            return g.new_ctx(app, system_prompt, token_ids, text, state)
+
+    def describe(self, ctx: str, app: str | None = None) -> dict:
+        with self._lock:
+            return self.gov.describe(ctx, app)
+
+    def delete_ctx(self, ctx: str, app: str | None = None) -> None:
+        with self._books() as g:
+            g.delete_ctx(ctx, app)
+
+    # the executor's calls: each answer carries the keys released since the executor last heard
+    def begin_call(self, ctx: str, app: str | None, cached: bool = False, known: int | None = None) -> Settled:
+        """The plan, its resident chunks named by key (the executor holds their refs)."""
+        with self._books() as g:
+            plan = g.begin_call(ctx, app, cached=cached, known=known)
+            plan.resident = [(i, level, h.key if isinstance(h, PoolRef) else h) for i, level, h in plan.resident]
+            return self._settled(plan)
+
+    def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> Settled:
+        with self._books() as g:
+            return self._settled(g.record_restore(ctx, measured_s, stages))
+
+    def loaded(self, ctx: str, chunks: list) -> Settled:
+        with self._books() as g:
+            return self._settled(g.loaded(ctx, chunks))
+
+    def commit_call(self, *args) -> Settled:
+        with self._books() as g:
+            return self._settled(g.commit_call(*args))
+
+    def admit(self, ctx: str, encoded: list, token_starts: dict[int, int]) -> Settled:
+        with self._books() as g:
+            return self._settled(g.admit(ctx, encoded, token_starts))
+
+    def abort_call(self, ctx: str) -> Settled:
+        with self._books() as g:
+            return self._settled(g.abort_call(ctx))
+
+    def executor_started(self) -> Settled:
+        with self._books() as g:
+            return self._settled(g.executor_started())
+
+    def _settled(self, value) -> Settled:
+        released, self._released = self._released, []
+        return Settled(value, released, self.epoch)
+
+    def set_profile(self, profile_json: str) -> None:
+        with self._books() as g:
+            g.set_profile(profile_json)
+
+    def held_nbytes(self) -> int:
+        return self.gov.pool_used
+
+    def held_handles(self) -> list:
+        """The resident chunks' handles (tests check that the executor holds a ref for each)."""
+        with self._lock:
+            return self.gov.held_handles()
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _release(self, handle) -> None:
+        if isinstance(handle, PoolRef):
+            self._released.append(handle.key)
+
+    def _publisher(self) -> None:
+        while True:
+            self._changed.wait()
+            time.sleep(self.PUBLISH_DELAY_S)  # the other calls of the same switch come meanwhile
+            self._changed.clear()
+            with self._lock:
+                self._publish()
+
+    def _publish(self) -> None:
+        """Gauges from the governor's books after every change (cheap: one pass over the chunk rows)."""
+        from actors.metrics import BITS
+
+        m, g, policy = self.metrics, self.gov, self.gov.cfg.policy
+        counts: dict[tuple[str, str], int] = {}
+        disk = 0
+        for book in g.books.values():
+            for ch in book.chunks.values():
+                state = "resident" if ch.handle is not None else ("swapped" if ch.file else "missing")
+                key = (state, BITS.get(ch.level, ch.level))
+                counts[key] = counts.get(key, 0) + 1
+                disk += ch.file_nbytes if ch.file else 0
+        m.chunks.clear()
+        for (state, bits), n in counts.items():
+            m.chunks.labels(state, bits).set(n)
+        m.pool.labels("resident").set(g.pool_used)
+        m.pool.labels("budget").set(g.cfg.pool_bytes)
+        m.pool.labels("disk").set(disk)
+        m.active.labels(policy).set(len(g.books))
+        ev = g.stats["evictions"]
+        if ev > self._evictions:
+            m.evictions.labels(policy).inc(ev - self._evictions)
+        self._evictions = ev
+        err = g.restore_error()
+        if err is not None:
+            m.restore_error.labels(policy).set(err)
+        for stage, f in g.online.state()["stages"].items():
+            m.cost_factor.labels(policy, stage).set(f)
+
+
+class RayRestorer:
+    """A restore on Ray. With recompute planned, the recompute worker does it, consuming the IO worker's
+    stream of layer groups, sized per restore so that handing a group over (one object ref) costs
+    under a tenth of reading it (scheduler.pipeline.layer_group_size), at the read rate last observed
+    and the hand-over cost observed in recent restores (`HandoverCost`; never below the cost measured
+    at start). Without, this executor does it (`_restore_here`)."""
+
+    def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
+                 read_rate, io, held: dict, views: dict, threads: int = 2,
+                 staging: tuple[memoryview, int, int] | None = None) -> None:
+        self.worker = worker
+        self.io = io
+        self.held = held  # key -> object ref of the resident chunks (the governor proxy's)
+        self.views = views  # key -> zero-copy view of the same chunk
+        self.cfg = cfg
+        self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
+        self.shm_name, self.capacity = shm_name, capacity
+        self.per_ref_s = per_ref_s
+        self.handover = HandoverCost(per_ref_s)  # what a hand-over costs during restores, >= the idle figure
+        self.read_rate = read_rate
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
+        self.staging: tuple[str, int, int] | None = None
+        """(segment, offset, size) of the staging area the IO worker copies loaded chunks into."""
+        self.stage_area: np.ndarray | None = None
+        if staging is not None:
+            buf, offset, size = staging
+            self.staging = (shm_name, offset, size)
+            self.stage_area = np.ndarray(size, np.uint8, buffer=buf, offset=offset)
+
+    def _load_nbytes(self, plan) -> int:
+        return sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
+
+    def group_size(self, plan) -> int:
+        if not plan.recompute:  # nothing to overlap the reads with: one group, one hand-over
+            return self.cfg.n_layers
+        return layer_group_size(self.cfg.n_layers, self.handover.seconds, self.read_rate.s_per_byte,
+                                self._load_nbytes(plan))
+
+    def batch_size(self, plan) -> int:
+        """Loaded chunks per streamed batch of `_restore_here`: the rule of `group_size`, over chunks."""
+        n = len(plan.load)
+        return layer_group_size(n, self.handover.seconds, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
+
+    def restore(self, ws, plan):
+        lost = [i for i, _level, key in plan.resident if key not in self.held]
+        if lost:  # not expected (the governor reports every handle it drops): recompute rather than fail
+            plan.recompute = sorted(set(plan.recompute) | set(lost))
+        keys = [(i, key) for i, _level, key in plan.resident if key in self.held]
+        if not plan.recompute:  # nothing reads other chunks' K/V: restore here
+            return self._restore_here(ws, plan, keys)
+        size = self.group_size(plan)
+        groups = layer_groups(self.cfg.n_layers, size)
+        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, self.held[key]) for i, key in keys],
+                             [i for i, _, _ in plan.load], list(plan.recompute), groups,
+                             self.shm_name, self.capacity, self.staging[1:] if self.staging else None)
+        res = self.worker.restore(req)
+        return self._finish(ws, plan, res, size)
+
+    def _restore_here(self, ws, plan, keys):
+        """Without recompute no chunk waits for another, so this executor does it all, as the one-process
+        restorer does: a pool of `threads` threads de-quantizes the resident chunks, from the views kept
+        at `put` (nothing fetched), then each batch of loaded chunks as the IO worker streams it in.
+        The recompute worker is idle meanwhile, so the pool uses the core it would. Chunks whose file
+        fails are recomputed by the worker once every other chunk is in (they attend to them)."""
+        kv = ws.kv.numpy()
+        res = RestoreStats(resident=len(keys))
+        events = res.timeline
+        stream = use_streaming_stores(ws, len(keys) + len(plan.load))
+        decode = lambda i, enc: self.pool.submit(decode_timed, ws, kv, i, enc, events, stream)  # noqa: E731
+        loads = [i for i, _, _ in plan.load]
+        # ask for the reads before the decode threads take both cores: the IO worker's request (and the
+        # worker itself, which requests no CPU) would otherwise wait behind them
+        batches = (self.io.read_batches(plan.ctx, loads, self.batch_size(plan), self.staging)
+                   if loads else None)
+        jobs = [decode(i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
+        got: set[int] = set()
+        try:
+            if loads:
+                def take(chunks, failed, a, b, k):
+                    for i, c in chunks:
+                        enc, staged = unstaged(c, self.stage_area)
+                        res.staged_bytes += staged
+                        jobs.append(decode(i, enc))
+                        got.add(i)
+                        res.loaded_bytes += enc.nbytes
+                    res.failed.update(failed)
+                    events.append(("read", k, a, b))
+
+                try:
+                    for batch in handed_over((ray.get(ref) for ref in batches), events):
+                        take(batch.chunks, batch.failed, batch.read_start, batch.read_end, batch.index)
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+                    # the IO worker stopped mid-stream: ask the restarted one for the rest
+                    rest = [i for i in loads if i not in got and i not in res.failed]
+                    t = time.monotonic()
+                    chunks, failed = self.io.read(plan.ctx, rest)
+                    take(chunks.items(), failed, t, time.monotonic(), -1)
+        finally:
+            for j in jobs:  # every decode ends before the working set is touched again, even on an error
+                j.result()
+        res.loaded, res.faults = len(got), len(res.failed)
+        if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
+            n = -(-plan.kv_tokens // self.chunk_shape[3])
+            fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
+                                 [range(self.cfg.n_layers)], self.shm_name, self.capacity,
+                                 present=[i for i in range(n) if i not in res.failed])
+            again = self.worker.restore(fix)
+            res.recomputed = again.recomputed
+            res.timeline += again.timeline
+        return self._finish(ws, plan, res, self.cfg.n_layers)
+
+    def _finish(self, ws, plan, res, size):
+        reads = [(a, b) for what, _g, a, b in res.timeline if what == "read"]
+        if reads and res.loaded_bytes:
+            self.read_rate.observe(sum(b - a for a, b in reads), res.loaded_bytes)
+        for what, _g, a, b in res.timeline:
+            if what == "handover":
+                self.handover.observe(b - a)
+        res.timeline.append(("group_layers", size, 0.0, 0.0))
+        ws.missing = set()
+        plan.recompute = sorted(set(plan.recompute) | set(res.failed) | {i for i, _, _ in plan.load})
+        return res, []  # loaded chunks are re-encoded from the working set after the call
+
+
+def per_ref_seconds(io_handle, n: int = 32) -> float:
+    """What one streamed object ref costs between two actors here: a streaming generator of `n` tiny
+    items, timed end to end (median of three runs)."""
+    import statistics
+
+    runs = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for ref in io_handle.ping.remote(n):
+            ray.get(ref)
+        runs.append((time.perf_counter() - t) / n)
+    return statistics.median(runs)
+
+
+class ExecutorActor:
+    def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
+                 recompute_handle, io_handle, prefix: str, threads: int) -> None:
+        import torch
+
+        from actors.executor import ModelExecutor
+        from engine.chat import ChatTokenizer
+        from engine.context import ContextEngine
+        from engine.kvcache import KVCache
+        from engine.model import Transformer
+        from storage.heap import retain_freed_memory
+
+        torch.set_num_threads(max(1, threads))
+        retain_freed_memory()  # write-back encodes into fresh payloads: keep freed memory, no page faults
+        c, ecfg = config, parts.engine
+        model = Transformer.from_directory(model_dir, ecfg, fingerprint=fingerprint)
+        engine = ContextEngine(model, ChatTokenizer(model_dir), ecfg)
+        engine.fingerprint = fingerprint
+        # a new segment per executor process: a restarted executor never shares a stale one
+        shm_name = f"{prefix}-ws-{os.getpid()}"
+        _unlink_stale_segments(prefix)
+        ws_nbytes = working_set_nbytes(model.cfg, engine.limit)
+        staging = ws_nbytes if c.staging_bytes < 0 else c.staging_bytes
+        _warn_if_shm_small(ws_nbytes + staging)
+        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True, staging_bytes=staging)
+        ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
+        from scheduler.pipeline import CostProfile, ReadRate
+
+        prof = CostProfile.from_json(c.profile) if c.profile else None
+        self.read_rate = ReadRate(prof.io.slope if prof else 0.0)
+        self.per_ref_s = per_ref_seconds(io_handle)
+        refs = ResidentRefs()
+        gov = GovernorStub(gov_handle, refs)
+        restorer = RayRestorer(RecomputeStub(recompute_handle), model.cfg, shm_name, engine.limit, c.chunk_tokens,
+                               self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held, refs.views,
+                               staging=(self.shm.buf, ws_nbytes, staging) if staging else None)
+        self.refs = refs
+        self.ex = ModelExecutor(engine, gov, restorer,
+                                working_set=ws, put=refs.put, background=True)  # write-back after the reply
+        # after a restart: the call in flight died with the old process, whose objects (the resident
+        # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
+        interrupted = self.ex.gov.executor_started()
+        if interrupted:
+            import logging
+
+            logging.getLogger(__name__).warning("executor restarted: %d call(s) in flight were interrupted", interrupted)
+        model.warmup()
+        from actors.metrics import Metrics, init_executor_series
+
+        self.policy = c.policy
+        self.metrics = Metrics()
+        self.metrics.start("executor", c.data_dir)
+        init_executor_series(self.metrics, self.policy)
+        from storage.heap import freeze_startup_objects
+
+        freeze_startup_objects()  # no full collection walks torch's, Ray's and the model's objects in a call
+
+    def _observe(self, out: dict) -> None:
+        from actors.metrics import switch_outcome
+
+        m, p, r = self.metrics, self.policy, out["restore"]
+        outcome = switch_outcome(out["hit"], r)
+        m.switch.labels(p, outcome).observe(out["switch_ms"] / 1000)
+        m.calls.labels(p, outcome).inc()
+        m.ttft.labels(p).observe(out["ttft_s"])
+        m.tokens.labels(p).inc(out["completion_tokens"])
+        m.decode_seconds.labels(p).inc(max(0.0, out["total_s"] - out["ttft_s"]))
+        if r["recomputed"]:
+            m.recompute.labels(p, "fault").inc(r["faults"])
+            m.recompute.labels(p, "planned").inc(r["recomputed"] - r["faults"])
+        missing = r["loaded"] + r["recomputed"]
+        if missing:
+            m.io_fraction.labels(p).set(r["loaded"] / missing)
+
+    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None) -> str:
+        return self.ex.new_ctx(app, system_prompt, history)
+
+    def stream(self, app: str | None, ctx: str, prompt: str, params: dict):
+        """Streaming generator: text deltas (str), then the `CallOutcome`."""
+        try:
+            out = yield from self.ex.call(app, ctx, prompt, **params)
+        except BaseException:
+            self.metrics.calls.labels(self.policy, "error").inc()
+            raise
+        self._observe(asdict(out))
+        yield out
+
+    def profile(self, read_bytes_per_s: float) -> str:
+        """Measure (or read the cached) pipeline cost profile with this process's model and threads."""
+        from actors.profiling import load_or_measure
+
+        prof = load_or_measure(self.ex.model, self.ex.engine.fingerprint, read_bytes_per_s=read_bytes_per_s,
+                               progress=False)
+        if self.read_rate.s_per_byte <= 0:
+            self.read_rate.s_per_byte = prof.io.slope
+        return prof.to_json()
+
+    def held_refs(self) -> int:
+        """Object refs of resident chunks this executor holds (equal to the governor's resident chunks
+        once a call's write-back is done: tests check that none leaks)."""
+        self.ex.flush()
+        return len(self.refs.held)
+
+    def per_ref_cost(self) -> float:
+        """Seconds one streamed object ref costs (measured at start)."""
+        return self.per_ref_s
+
+    def flush(self) -> None:
+        """Wait for the last call's write-back (benchmarks wait here between calls, as an idle gap would)."""
+        self.ex.flush()
+
+    def forget(self, ctx: str) -> None:
+        self.ex.forget(ctx)
+
+    def close(self) -> None:
+        try:  # the last write-back encodes from the working set: it must end before the segment goes
+            self.ex.flush()
+        except Exception:
+            import logging
+
+            logging.getLogger(__name__).exception("the last write-back failed at shutdown")
+        self.shm.close()
+        self.shm.unlink()
+
+
+def _unlink_stale_segments(prefix: str) -> None:
+    """Remove working-set segments (`<prefix>-ws-<pid>`) left by executors that died without closing
+    them: this service's prefix, or any `llmaas*` one; a segment of a live process is left alone."""
+    from actors.metrics import pid_alive
+
+    for seg in Path("/dev/shm").glob("*-ws-*"):
+        owner, _, pid = seg.name.rpartition("-ws-")
+        if pid.isdigit() and (owner == prefix or owner.startswith("llmaas")) and not pid_alive(int(pid)):
+            seg.unlink(missing_ok=True)
+
+
+def _warn_if_shm_small(nbytes: int) -> None:
+    """The working set and staging area are pages of /dev/shm, taken as they are first written: a
+    tmpfs smaller than that (a container's default is 64 MB) would kill the executor with SIGBUS
+    mid-restore, so say so at start."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "/dev/shm has %.0f MB free, less than the working set and staging area (%.0f MB): lower "
+            "max_context_tokens or staging_bytes, or give the container more (docker --shm-size)",
+            free / 1e6, nbytes / 1e6)
+
+

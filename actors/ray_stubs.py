@@ -1,0 +1,222 @@
+"""Typed stubs of the Ray actors: each implements its role's port (`actors.ports`) by calling the
+actor's method of the same name.
+
+Steering calls wait for their answer (retried while the actor restarts, `actors.retry`). Calls that
+move K/V or text return the actor's streaming generator of object refs, for the consumer to resolve
+as it goes. The executor's view of the governor also keeps the object refs of the chunks it put
+(`ResidentRefs`), since a plan names them by key.
+
+What this module deliberately does not know: what the actors do with the calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import ray
+
+from actors import retry
+from actors.messages import CallInterruptedError, CallPlan, CommitReply, PoolRef, RestoreRequest, RestoreStats, Settled
+from storage import codecs
+
+
+def resolve(h):
+    """The value behind a handle: a `PoolRef`'s or an object ref's object, fetched."""
+    return ray.get(h.ref if isinstance(h, PoolRef) else h)
+
+
+def resolve_call_item(ref):
+    """An item of the executor's `stream`, fetched; `CallInterruptedError` when the executor stopped."""
+    try:
+        return ray.get(ref)
+    except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError) as e:
+        raise CallInterruptedError(
+            "the model executor stopped during the call and is being restarted; the turn was recorded "
+            "only if its reply had finished (see the context's history before retrying)") from e
+
+
+class ResidentRefs:
+    """The executor's object refs of the chunks it put, by `PoolRef.key`, each with a zero-copy view
+    of the object (its arrays map the object store's memory), dropped as the governor releases them.
+
+    Dropping an object costs ~0.1-0.2 ms (the object store frees it), and a switch that evicts room
+    for a large load releases many chunks, so the drops wait for the next `put` (the call's
+    write-back, after the reply), which frees them before it puts anything new: the object store
+    never holds both the evicted chunks and their replacements."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, Any] = {}
+        self.views: dict[int, codecs.EncodedChunk] = {}
+        self._dropped: list = []  # released refs and views, freed by the next `put`
+        self._next_key = 0
+        self._epoch: str | None = None
+        self._lock = threading.Lock()  # the call and the write-back thread both use it
+
+    def put(self, encs: list) -> list[PoolRef]:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        del dropped  # the object store frees them here
+        refs = [ray.put(enc) for enc in encs]
+        views = ray.get(refs)  # one fetch for all: cheaper than one by one
+        out = []
+        with self._lock:
+            for ref, view in zip(refs, views):
+                self._next_key += 1
+                self.held[self._next_key], self.views[self._next_key] = ref, view
+                out.append(PoolRef(self._next_key, ref))
+        return out
+
+    def settle(self, released: list[int], epoch: str) -> None:
+        """Drop what the governor released; forget everything when it is a new governor process."""
+        with self._lock:
+            if epoch != self._epoch:
+                if self._epoch is not None:
+                    self.held.clear()
+                    self.views.clear()
+                self._epoch = epoch
+            for key in released:
+                self._dropped += (self.held.pop(key, None), self.views.pop(key, None))
+
+
+class GovernorStub:
+    """`GovernorPort` over the governor actor. `refs`: the executor's resident refs, settled with
+    every plan (None for the other callers)."""
+
+    def __init__(self, handle, refs: ResidentRefs | None = None) -> None:
+        self.handle = handle
+        self.refs = refs
+
+    def bind_app(self, app: str) -> str:
+        return retry.call(self.handle.bind_app, app)
+
+    def app_for_token(self, token: str) -> str:
+        return retry.call(self.handle.app_for_token, token)
+
+    def list_contexts(self, app: str) -> list:
+        return retry.call(self.handle.list_contexts, app)
+
+    def delete_app(self, app: str) -> None:
+        retry.call(self.handle.delete_app, app)
+
+    def new_ctx(self, app: str, system_prompt: str = "", token_ids=None, text: str = "",
+                state: str | None = None) -> str:
+        return retry.call(self.handle.new_ctx, app, system_prompt, token_ids, text, state)
+
+    def describe(self, ctx: str, app: str | None = None) -> dict:
+        return retry.call(self.handle.describe, ctx, app)
+
+    def delete_ctx(self, ctx: str, app: str | None = None) -> None:
+        retry.call(self.handle.delete_ctx, ctx, app)
+
+    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False,
+                   known: int | None = None) -> CallPlan:
+        return self._settle(retry.call(self.handle.begin_call, ctx, app, cached, known))
+
+    def begin_cached_call(self, ctx: str, app: str | None) -> Callable[[], None]:
+        """Sent without waiting; the returned function waits for it and raises its error."""
+        ref = self.handle.begin_call.remote(ctx, app, True)
+
+        def confirm() -> None:
+            try:
+                reply = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:  # the governor is restarting: ask the new one
+                reply = retry.call(self.handle.begin_call, ctx, app, True)
+            self._settle(reply)
+
+        return confirm
+
+    def _settle(self, reply: Settled):
+        """The call's result, after dropping the refs the governor released (the executor's view)."""
+        if self.refs is not None:
+            self.refs.settle(reply.released, reply.epoch)
+        return reply.value
+
+    def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> None:
+        self._settle(retry.call(self.handle.record_restore, ctx, measured_s, stages))
+
+    def loaded(self, ctx: str, chunks: list[tuple[int, Any, int]]) -> None:
+        self._settle(retry.call(self.handle.loaded, ctx, chunks))
+
+    def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
+                    chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
+                    request_id: str | None = None) -> CommitReply:
+        return self._settle(retry.call(self.handle.commit_call, ctx, token_ids, text, state, density, kv_tokens,
+                                       chunk_density, first_modified, restored, request_id))
+
+    def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
+        self._settle(retry.call(self.handle.admit, ctx, encoded, token_starts))
+
+    def abort_call(self, ctx: str) -> None:
+        self._settle(retry.call(self.handle.abort_call, ctx))
+
+    def executor_started(self) -> int:
+        return self._settle(retry.call(self.handle.executor_started))
+
+    def set_profile(self, profile_json: str) -> None:
+        retry.call(self.handle.set_profile, profile_json)
+
+    def held_nbytes(self) -> int:
+        return retry.call(self.handle.held_nbytes)
+
+
+class SwapIOStub:
+    """`SwapIOPort` over the IO worker actor; reads return its streaming generators (object refs)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
+        return retry.call(self.handle.write, ctx, todo)
+
+    def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
+        return retry.call(self.handle.read, ctx, indices)
+
+    def read_batches(self, ctx: str, indices: list[int], batch: int, staging=None):
+        return self.handle.read_batches.remote(ctx, indices, batch, staging)
+
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range], staging=None):
+        return self.handle.read_groups.remote(ctx, indices, groups, staging)
+
+    def delete(self, ctx: str, index: int) -> None:
+        retry.call(self.handle.delete, ctx, index)
+
+    def delete_context(self, ctx: str) -> None:
+        retry.call(self.handle.delete_context, ctx)
+
+    def usage_bytes(self) -> int:
+        return retry.call(self.handle.usage_bytes)
+
+
+class RecomputeStub:
+    """`RecomputePort` over the recompute worker actor (the K/V itself crosses in shared memory)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def restore(self, req: RestoreRequest) -> RestoreStats:
+        return retry.call(self.handle.restore, req)
+
+
+class ExecutorStub:
+    """`ExecutorPort` over the executor actor; `call` returns its streaming generator (object refs of
+    text deltas, then of the outcome as a dict)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None) -> str:
+        return retry.call(self.handle.new_ctx, app, system_prompt, history)
+
+    def stream(self, app: str | None, ctx: str, prompt: str, params: dict):
+        return self.handle.stream.remote(app, ctx, prompt, params)
+
+    def forget(self, ctx: str) -> None:
+        retry.call(self.handle.forget, ctx)
+
+    def flush(self) -> None:
+        retry.call(self.handle.flush)
+
+    def ready(self) -> None:
+        retry.call(self.handle.__ray_ready__)
