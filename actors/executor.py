@@ -24,13 +24,14 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from actors.messages import CallOutcome, CallPlan, RestoreRequest, RestoreStats
-from actors.recompute import pipelined_restore, stage_seconds
+from actors.recompute import stage_seconds
+from actors.restore import restore
 from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, LiveContext
 from engine.density import DensityTracker
@@ -79,32 +80,17 @@ class _Step:
     """Waits for a deferred `begin_cached_call` (None once done or when not deferred)."""
 
 
-STREAM_MIN_BYTES = 48 << 20
-"""A restore that de-quantizes at least this many bytes of K/V writes them with non-temporal stores
-(`codecs.decode(..., stream=True)`): below it the caches still help ordinary stores (the measured
-crossover is in docs/benchmarks.md, "Tuning at the edge")."""
-
-
-def use_streaming_stores(ws: KVCache, n_chunks: int) -> bool:
-    """Whether de-quantizing `n_chunks` chunks into `ws` is large enough for non-temporal stores."""
-    per_chunk = ws.nbytes() // ws.capacity * ws.chunk_tokens
-    return ws.device.type == "cpu" and n_chunks * per_chunk >= STREAM_MIN_BYTES
-
-
 GROUP_LAYERS = 6
 """Layers per group a pipelined restore streams in one process (the Ray restorer sizes its groups per
 restore); the governor plans with the resulting number of groups (Eq. 4')."""
 
 
 class InProcessRestorer:
-    """Restore in the executor's own process: decode resident chunks, read and decode loaded ones,
-    recompute the rest through all layers. The baseline the actor pipeline is compared against.
-
-    Without recompute, de-quantizing runs on a pool of `threads` threads (the compiled codecs and lz4
-    release the GIL) and is handed each loaded chunk as soon as the store has read and checked it,
-    while this thread goes on reading: the pool decodes the resident chunks, then the loaded ones,
-    beside the reads, and both cores work. Each chunk's decode is its own ("decode", index) event of
-    the timeline, so the decode stage counts the work done, not the part the reads left visible."""
+    """A restore in the executor's own process (`actors.restore.restore`), the reference for the actor
+    path. With recompute planned, a reader thread streams layer groups (file reads and lz4 release the
+    GIL) while this thread decodes and recomputes layer by layer; without, the store's reads are
+    consumed chunk by chunk and de-quantized on a pool of `threads` threads (the compiled codecs and
+    lz4 release the GIL too), so both cores work."""
 
     def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h,
                  threads: int = 2, group_layers: int = GROUP_LAYERS) -> None:
@@ -118,103 +104,47 @@ class InProcessRestorer:
 
     def restore(self, ws: KVCache, plan: CallPlan) -> tuple[RestoreStats, list[tuple[int, Any, int]]]:
         """Fill `ws`; returns what was done and the chunks read whole from disk (index, enc, bytes)."""
-        if plan.recompute and plan.load and ws.device.type == "cpu":
-            return self._pipelined(ws, plan), []
-        stats = RestoreStats()
-        kv = ws.kv.numpy() if ws.device.type == "cpu" else None
-        events = stats.timeline
-
-        stream = use_streaming_stores(ws, len(plan.resident) + len(plan.load))
-
-        def submit(i: int, enc: codecs.EncodedChunk):
-            if self.pool is None or kv is None:  # off the CPU the device's own queue orders the copies
-                decode_timed(ws, kv, i, enc, events)
-                return None
-            return self.pool.submit(decode_timed, ws, kv, i, enc, events, stream)
-
-        jobs = [submit(i, self.resolve(handle)) for i, _level, handle in plan.resident]
-        stats.resident += len(plan.resident)
-        loaded = []
-        recompute = list(plan.recompute)
-        try:
-            if plan.load:
-                t = time.monotonic()
-                got, failed = self.io.read_stream(plan.ctx, [i for i, _, _ in plan.load])
-                for i, enc in got:
-                    jobs.append(submit(i, enc))
-                    loaded.append((i, enc, enc.nbytes))
-                    stats.loaded_bytes += enc.nbytes
-                events.append(("read", -1, t, time.monotonic()))
-                stats.loaded += len(loaded)
-                stats.faults += len(failed)
-                stats.failed.update(failed)
-                recompute += list(failed)
-        finally:
-            for j in jobs:  # every decode ends before the working set is touched again, even on an error
-                if j is not None:
-                    j.result()
-        if recompute:
-            t = time.monotonic()
-            self.model.recompute(ws, plan.token_ids, sorted(recompute))
-            events.append(("recompute", -1, t, time.monotonic()))
-            stats.recomputed += len(recompute)
-        return stats, loaded
-
-    def _pipelined(self, ws: KVCache, plan: CallPlan) -> RestoreStats:
-        """Loads and recompute overlapped as on Ray (Fig. 8): a reader thread streams layer groups
-        (file reads and lz4 release the GIL) while this thread decodes and recomputes layer by layer."""
-        import queue
-
         from actors.swapio import layer_groups
 
-        groups = layer_groups(self.model.cfg.n_layers, self.group_layers)
         load = [i for i, _, _ in plan.load]
-        q: queue.Queue = queue.Queue()
-
-        def reader():
-            single_threaded_torch()
-            try:
-                for grp in self.io.read_groups(plan.ctx, load, groups):
-                    q.put(grp)
-            except BaseException as e:  # handed to the consumer, raised there
-                q.put(e)
-            q.put(None)
-
-        def stream():
-            while (item := q.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-
-        t = threading.Thread(target=reader, name="kv-reader", daemon=True)
-        t.start()
+        pipelined = bool(plan.recompute and load) and ws.device.type == "cpu"
+        groups = layer_groups(self.model.cfg.n_layers, self.group_layers if pipelined else self.model.cfg.n_layers)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
                              load, list(plan.recompute), groups)
+        items = (_read_ahead(lambda: self.io.read_groups(plan.ctx, load, groups)) if pipelined
+                 else self.io.read_batches(plan.ctx, load, 1))
+        stats, whole = restore(ws, req, items, model=self.model, pool=self.pool,
+                               resolve=lambda hs: [self.resolve(h) for h in hs])
+        if pipelined:  # loaded layer by layer: re-encoded from the working set after the call
+            plan.recompute = sorted(set(plan.recompute) | set(stats.failed) | set(load))
+            return stats, []
+        return stats, [(i, enc, enc.nbytes) for i, enc in whole]
+
+
+def _read_ahead(read: Callable[[], Iterable]) -> Iterator:
+    """The items of `read()`, produced by a thread of their own (one item ahead of the consumer at least)."""
+    import queue
+
+    q: queue.Queue = queue.Queue()
+
+    def reader() -> None:
+        single_threaded_torch()
         try:
-            res = pipelined_restore(self.model, ws, req, stream(), lambda hs: [self.resolve(h) for h in hs])
-        finally:
-            t.join()
-        plan.recompute = sorted(set(plan.recompute) | set(res.failed) | set(load))  # re-encode after the call
-        return res
+            for item in read():
+                q.put(item)
+        except BaseException as e:  # handed to the consumer, raised there
+            q.put(e)
+        q.put(None)
 
-
-def decode_timed(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk, events: list,
-                 stream: bool = False) -> None:
-    """De-quantize chunk `i` into the working set (`kv`: its numpy view on the CPU, else None) and
-    add its ("decode", i, start, end) event to `events` (safe from several threads). `stream`: see
-    `use_streaming_stores`."""
-    a = time.monotonic()
-    _decode_into(ws, kv, i, enc, stream)
-    events.append(("decode", i, a, time.monotonic()))  # list.append is atomic under the GIL
-
-
-def _decode_into(ws: KVCache, kv: np.ndarray | None, i: int, enc: codecs.EncodedChunk, stream: bool = False) -> None:
-    s, e = ws.chunk_range(i)
-    if kv is not None:
-        codecs.decode(enc, out=kv[:, :, :, s:e], stream=stream)
-    else:
-        ws.put_chunk(i, codecs.decode(enc))
-    ws.missing.discard(i)  # set.discard is atomic under the GIL
+    t = threading.Thread(target=reader, name="kv-reader", daemon=True)
+    t.start()
+    try:
+        while (item := q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        t.join()
 
 
 class ModelExecutor:

@@ -116,7 +116,7 @@ class CommitReply:
 
 @dataclass(slots=True)
 class RestoreRequest:
-    """A restore handed to the recompute worker (Ray) or run in process by `pipelined_restore`."""
+    """A restore handed to the recompute worker (Ray) or run by `actors.restore.restore`."""
 
     ctx: str
     """The context's id."""

@@ -21,6 +21,7 @@ HTTP API (`deploy/`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -33,11 +34,11 @@ import ray
 
 from actors.config import ServiceConfig
 from actors.service import Components
-from actors.executor import decode_timed, use_streaming_stores
-from actors.messages import PoolRef, RestoreRequest, RestoreStats, Settled
+from actors.messages import PoolRef, RestoreRequest, Settled
 from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
-from actors.recompute import handed_over, shared_working_set, working_set_nbytes
-from actors.swapio import KVSwapIO, layer_groups, unstaged
+from actors.recompute import shared_working_set, working_set_nbytes
+from actors.restore import restore
+from actors.swapio import ChunkBatch, KVSwapIO, layer_groups, unstaged
 from engine.threads import single_threaded_torch
 from scheduler.pipeline import HandoverCost, layer_group_size
 from storage import codecs
@@ -300,48 +301,22 @@ class RayRestorer:
         return self._finish(ws, plan, res, size)
 
     def _restore_here(self, ws, plan, keys):
-        """Without recompute no chunk waits for another, so this executor does it all, as the one-process
-        restorer does: a pool of `threads` threads de-quantizes the resident chunks, from the views kept
+        """Without recompute no chunk waits for another, so this executor runs the restore
+        (`actors.restore.restore`) on a pool of `threads` threads: resident chunks from the views kept
         at `put` (nothing fetched), then each batch of loaded chunks as the IO worker streams it in.
         The recompute worker is idle meanwhile, so the pool uses the core it would. Chunks whose file
         fails are recomputed by the worker once every other chunk is in (they attend to them)."""
-        kv = ws.kv.numpy()
-        res = RestoreStats(resident=len(keys))
-        events = res.timeline
-        stream = use_streaming_stores(ws, len(keys) + len(plan.load))
-        decode = lambda i, enc: self.pool.submit(decode_timed, ws, kv, i, enc, events, stream)  # noqa: E731
         loads = [i for i, _, _ in plan.load]
         # ask for the reads before the decode threads take both cores: the IO worker's request (and the
         # worker itself, which requests no CPU) would otherwise wait behind them
-        batches = (self.io.read_batches(plan.ctx, loads, self.batch_size(plan), self.staging)
-                   if loads else None)
-        jobs = [decode(i, self.views.get(key) or ray.get(self.held[key])) for i, key in keys]
-        got: set[int] = set()
-        try:
-            if loads:
-                def take(chunks, failed, a, b, k):
-                    for i, c in chunks:
-                        enc, staged = unstaged(c, self.stage_area)
-                        res.staged_bytes += staged
-                        jobs.append(decode(i, enc))
-                        got.add(i)
-                        res.loaded_bytes += enc.nbytes
-                    res.failed.update(failed)
-                    events.append(("read", k, a, b))
-
-                try:
-                    for batch in handed_over((ray.get(ref) for ref in batches), events):
-                        take(batch.chunks, batch.failed, batch.read_start, batch.read_end, batch.index)
-                except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
-                    # the IO worker stopped mid-stream: ask the restarted one for the rest
-                    rest = [i for i in loads if i not in got and i not in res.failed]
-                    t = time.monotonic()
-                    chunks, failed = self.io.read(plan.ctx, rest)
-                    take(chunks.items(), failed, t, time.monotonic(), -1)
-        finally:
-            for j in jobs:  # every decode ends before the working set is touched again, even on an error
-                j.result()
-        res.loaded, res.faults = len(got), len(res.failed)
+        refs = self.io.read_batches(plan.ctx, loads, self.batch_size(plan), self.staging) if loads else None
+        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, keys, loads, [],
+                             [range(self.cfg.n_layers)], recompute_failed=False)
+        staged = [0]
+        items = self._batches(refs, plan.ctx, loads, staged) if loads else ()
+        res, _whole = restore(ws, req, items, pool=self.pool,
+                              resolve=lambda ks: [self.views.get(k) or ray.get(self.held[k]) for k in ks])
+        res.staged_bytes = staged[0]
         if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
             n = -(-plan.kv_tokens // self.chunk_shape[3])
             fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
@@ -351,6 +326,28 @@ class RayRestorer:
             res.recomputed = again.recomputed
             res.timeline += again.timeline
         return self._finish(ws, plan, res, self.cfg.n_layers)
+
+    def _batches(self, refs, ctx: str, loads: list[int], staged: list[int]):
+        """The IO worker's batches, fetched and taken out of the staging area; if the worker stops
+        mid-stream, the restarted one reads the rest in one go (a batch of index -1)."""
+        got: set[int] = set()
+        failed: dict[int, str] = {}
+        try:
+            for ref in refs:
+                batch = ray.get(ref)
+                chunks = []
+                for i, c in batch.chunks:
+                    enc, n = unstaged(c, self.stage_area)
+                    staged[0] += n
+                    chunks.append((i, enc))
+                    got.add(i)
+                failed.update(batch.failed)
+                yield dataclasses.replace(batch, chunks=chunks)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
+            rest = [i for i in loads if i not in got and i not in failed]
+            t = time.monotonic()
+            chunks, more = self.io.read(ctx, rest)
+            yield ChunkBatch(-1, list(chunks.items()), {**failed, **more}, t, time.monotonic())
 
     def _finish(self, ws, plan, res, size):
         reads = [(a, b) for what, _g, a, b in res.timeline if what == "read"]

@@ -317,7 +317,7 @@ def test_loaded_chunks_are_decoded_while_later_ones_are_read(small_engine, tmp_p
     svc.call(tok, b, "Hello there.", max_tokens=4)
     res = svc.call(tok, a, "And in one word?", max_tokens=6)  # restores a: every chunk read from disk
     assert res.restore.loaded >= 8 and not res.restore.resident and not res.restore.recomputed
-    (read_end,) = [e for what, _, _, e in res.restore.timeline if what == "read"]
+    read_end = max(e for what, _, _, e in res.restore.timeline if what == "read")
     decodes = [(s, e) for what, _, s, e in res.restore.timeline if what == "decode"]
     assert len(decodes) == res.restore.loaded
     assert min(e for _, e in decodes) < read_end  # the first chunks were decoded during the reads

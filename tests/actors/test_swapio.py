@@ -99,7 +99,7 @@ def test_read_batches_stages_what_fits_in_the_consumers_shared_memory_and_hands_
 def test_read_groups_stage_each_groups_layers_in_turn_and_the_worker_takes_them_back(tmp_path):
     from multiprocessing import resource_tracker, shared_memory
 
-    from actors.recompute import unstage
+    from actors.recompute import _unstaged_group
     from actors.swapio import StagedChunk, layer_groups
 
     io = KVSwapIO(str(tmp_path), "fp-test")
@@ -117,7 +117,7 @@ def test_read_groups_stage_each_groups_layers_in_turn_and_the_worker_takes_them_
         for g in got:
             assert all(isinstance(c, StagedChunk) for c in g.chunks.values())
             offsets += [c.offset for c in g.chunks.values()]
-            back = unstage(g, area, staged)
+            back = _unstaged_group(g, area, staged)
             for i, enc in back.chunks.items():  # each the same layers as a direct read
                 ((_, want),) = io.store.read_layers(KEY, [i], g.layers)
                 assert enc.first_layer == g.layers.start and np.array_equal(enc.payload, want.payload)
