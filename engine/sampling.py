@@ -19,12 +19,17 @@ class BadRequestError(ValueError):
     code = "invalid_request"
 
 
+GREEDY_BELOW = 1e-6
+"""Temperatures under this are greedy: dividing logits by less overflows float32 for no change in the
+choice (at 1e-6 the best token already takes all the mass)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
     """Most tokens to generate in one reply."""
     temperature: float = 0.0
-    """0 is greedy; otherwise logits are divided by it before sampling."""
+    """Under `GREEDY_BELOW` (0 included) greedy; otherwise logits are divided by it before sampling."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     seed: int | None = None
@@ -46,8 +51,12 @@ class SamplingParams:
             raise BadRequestError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
         object.__setattr__(self, "stop", stop)
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
     def generator(self, device) -> torch.Generator | None:
-        if self.temperature == 0:
+        if self.greedy:
             return None
         g = torch.Generator(device=device)
         if self.seed is None:
@@ -59,7 +68,7 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Choose one token id from `logits` `[V]`."""
-    if params.temperature == 0:
+    if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import BadRequestError, SamplingParams, find_stop, holdback, sample
+from engine.sampling import GREEDY_BELOW, BadRequestError, SamplingParams, find_stop, holdback, sample
 
 
 def test_greedy_and_top_p_nucleus():
@@ -40,3 +40,13 @@ def test_stop_accepts_a_single_string():
     assert SamplingParams(stop="x").stop == ("x",)
     with pytest.raises(BadRequestError):
         SamplingParams(stop=["a"] * 17)
+
+
+@pytest.mark.parametrize("t", [0.0, 1e-45, 1e-39, 1e-30, 1e-7])
+def test_tiny_temperatures_are_greedy(t):
+    """Every temperature the schema accepts gives a token; those under GREEDY_BELOW the greedy one
+    (dividing by 1e-39 would overflow float32 into NaNs)."""
+    logits = torch.tensor([30.0, 29.0, -5.0, 31.0])
+    p = SamplingParams(temperature=t, seed=1)
+    assert p.greedy and p.generator("cpu") is None and sample(logits, p, None) == 3
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
