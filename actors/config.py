@@ -35,3 +35,33 @@ class ServiceConfig:
     profile: str = ""
     """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
     model and throttle, then cached (`llmaas profile` re-runs it)."""
+
+
+def prepare_data_dir(path: str | os.PathLike) -> None:
+    """Make the data directory owner-only: it holds every app's conversations. Creates it 0700, makes
+    this process create files 0600 and folders 0700 from now on (umask 077), and tightens what is
+    already there (an older version left the registry 0644 in a 0755 folder). Every process of the
+    service that writes under it calls this, or `private_files` when the folder exists already."""
+    private_files()
+    root = os.fspath(path)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    for dirpath, _dirs, files in os.walk(root):
+        _tighten(dirpath, 0o700)
+        for name in files:
+            _tighten(os.path.join(dirpath, name), 0o600)
+
+
+def private_files() -> None:
+    """Files and folders this process creates are its owner's alone (umask 077)."""
+    os.umask(0o077)
+
+
+def _tighten(path: str, mode: int) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:  # removed meanwhile (another process's temp file)
+        return
+    import stat
+
+    if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) & ~mode:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & mode)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from actors.config import ServiceConfig
+from actors.config import ServiceConfig, private_files
 from actors.service import Components
 from actors.messages import PoolRef, RestoreRequest, Settled
 from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
@@ -52,6 +52,7 @@ class IOActor(KVSwapIO):
         from storage.heap import freeze_startup_objects, retain_freed_memory
 
         retain_freed_memory()  # fresh read buffers and payloads: keep freed memory, no page faults
+        private_files()
 
         super().__init__(root, fingerprint, config, **kw)
         m = Metrics()
@@ -84,6 +85,7 @@ class GovernorActor:
         from storage.registry import Registry
 
         retain_freed_memory()
+        private_files()
         c = config
         self.parts = parts
         reg = Registry(str(Path(c.data_dir) / "registry.db"), config=parts.registry)
@@ -390,6 +392,7 @@ class ExecutorActor:
 
         torch.set_num_threads(max(1, threads))
         retain_freed_memory()  # write-back encodes into fresh payloads: keep freed memory, no page faults
+        private_files()
         c, ecfg = config, parts.engine
         model = Transformer.from_directory(model_dir, ecfg, fingerprint=fingerprint)
         engine = ContextEngine(model, ChatTokenizer(model_dir), ecfg)

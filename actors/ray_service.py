@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from actors.config import ServiceConfig
+from actors.config import ServiceConfig, prepare_data_dir
 from actors.ray_actors import ExecutorActor, GovernorActor, IOActor
 from actors.ray_stubs import ExecutorStub, GovernorStub, resolve, resolve_call_item
 from actors.recompute import RecomputeWorker
@@ -50,7 +50,7 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     resolved = resolve_model(model_path, progress=True)
     model_cfg = ModelConfig.from_hf(json.loads((Path(resolved.directory) / "config.json").read_text()))
     parts = components(config, model_cfg.n_layers, "float32", device="cpu")
-    Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+    prepare_data_dir(config.data_dir)
     common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
     io = ray.remote(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
         str(Path(config.data_dir) / "chunks"), KVKey(resolved.fingerprint, WEIGHT_FORMAT).record_tag(), parts.store,

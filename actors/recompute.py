@@ -22,6 +22,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from actors.config import private_files
 from actors.messages import RestoreRequest, RestoreStats
 from actors.restore import restore
 from actors.swapio import unstaged
@@ -85,6 +86,7 @@ class RecomputeWorker:
 
         torch.set_num_threads(max(1, threads))
         retain_freed_memory()
+        private_files()
         self.model = Transformer.from_directory(model_dir, engine_cfg, fingerprint=fingerprint)
         self.chunk_tokens = engine_cfg.chunk_tokens
         if io is not None:

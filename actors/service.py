@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from actors.config import ServiceConfig
+from actors.config import ServiceConfig, prepare_data_dir
 from actors.governor import GovernorConfig
 from actors.messages import CallInterruptedError, CallOutcome, KVKey
 from actors.ports import ExecutorPort, GovernorPort
@@ -184,7 +184,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     from storage.registry import Registry
 
     root = Path(config.data_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    prepare_data_dir(root)
     if engine is None:
         engine = ContextEngine.load(None, EngineConfig(max_context_tokens=config.max_context_tokens,
                                                        chunk_tokens=config.chunk_tokens))

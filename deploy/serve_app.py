@@ -31,7 +31,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors import retry
-from actors.config import ServiceConfig
+from actors.config import ServiceConfig, prepare_data_dir
 from actors.messages import CallOutcome
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
@@ -286,6 +286,7 @@ class Ingress:
 
         self.cfg = ServiceConfig(**(service or {}))
         self.server = ServerConfig(**(server or {}))
+        prepare_data_dir(self.cfg.data_dir)
         self.admin = admin_token(self.cfg.data_dir, self.server.admin_token_file)
         settings.RUNTIME["max_body_bytes"] = self.server.max_body_bytes
         if settings.RUNTIME["metrics"] is None:

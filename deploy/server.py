@@ -18,7 +18,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from actors.config import ServiceConfig
+from actors.config import ServiceConfig, prepare_data_dir
 from deploy.settings import ServerConfig, admin_token, private_secret
 
 
@@ -63,7 +63,7 @@ def options_from_args(args) -> dict:
 def serve_forever(args) -> int:
     opts = options_from_args(args)
     data = Path(opts["data_dir"])
-    data.mkdir(parents=True, exist_ok=True)
+    prepare_data_dir(data)
     ray_token = data / "ray_auth_token"
     private_secret(ray_token, lambda: secrets.token_hex(32))
     os.environ["RAY_AUTH_MODE"] = "token"
