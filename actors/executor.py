@@ -300,15 +300,17 @@ class ModelExecutor:
         """The outcome of the call `request_id` names when the context's last commit was that call."""
         if request_id is None:
             return None
-        if step.confirm is not None:
-            step.confirm()
-            step.confirm = None
         saved = self._saved.get(step.plan.ctx)
         state_json = step.plan.state if step.ectx is None else (saved[2] if saved else None)
-        state = json.loads(state_json) if state_json else {}
+        if not state_json or json.dumps(request_id) not in state_json:  # the usual case, without parsing
+            return None
+        state = json.loads(state_json)
         done = state.get("request") or {}
         if done.get("id") != request_id:
             return None
+        if step.confirm is not None:  # the governor's lock, before anything is answered
+            step.confirm()
+            step.confirm = None
         text = state["turns"][-1]["text"] if state.get("turns") else ""
         return CallOutcome(text=text, token_ids=list(done.get("token_ids", [])),
                            finish_reason=done.get("finish_reason", "stop"),

@@ -69,6 +69,8 @@ class Chunk:
     checksum: str | None = None
     density: float = 0.0
     """Information density (LLMS Eq. 1)."""
+    pinned_exact: bool = False
+    """Never lowered below raw by any policy (`pin_exact`)."""
 
 
 @dataclass(slots=True)
@@ -134,7 +136,7 @@ class MemoryGovernor:
                     book.kv_tokens = int(state.get("kv_tokens", 0))
                     book.request_id = (state.get("request") or {}).get("id")  # the executor writes it there
                 for r in self.registry.chunks(summary.id):
-                    ch = Chunk(level=r.level, density=r.density)
+                    ch = Chunk(level=r.level, density=r.density, pinned_exact=r.pinned)
                     if r.state.on_disk:
                         ch.file, ch.file_nbytes, ch.checksum = r.file, r.nbytes, r.checksum
                     book.chunks[r.index] = ch
@@ -191,6 +193,27 @@ class MemoryGovernor:
             for i, ch in book.chunks.items():
                 self._drop_resident(ctx, i, ch)
         self.io.delete_context(ctx)
+
+    def pin_exact(self, ctx: str, indices: Iterable[int]) -> None:
+        """Pin chunks of `ctx` exact: no policy lowers them below raw from now on, so K/V reused from
+        them equals a fresh prefill's. A chunk already lowered loses its copies (a level only comes back
+        by recompute): the next restore recomputes it from its token ids, raw."""
+        if ctx in self.locked:
+            raise ContextBusyError("context is in use by a call")
+        book = self.books[ctx]
+        indices = sorted(set(indices))
+        for i in indices:
+            if i not in book.chunks:
+                raise ValueError(f"context {ctx} has no chunk {i} yet (pin after the call that computes it)")
+        for i in indices:
+            ch = book.chunks[i]
+            if ch.level != "raw":
+                self._drop_resident(ctx, i, ch)
+                if ch.file:
+                    self.io.delete(ctx, i)
+                ch.level, ch.file, ch.file_nbytes, ch.checksum = "raw", None, 0, None
+            ch.pinned_exact = True
+        self._persist_rows(ctx, book, indices)
 
     def describe(self, ctx: str, app: str | None = None) -> dict:
         """A context's metadata: length, conversation turns, chunks by state and level
@@ -366,7 +389,8 @@ class MemoryGovernor:
         book.kv_tokens = kv_tokens
         partial = kv_tokens % self.cfg.chunk_tokens != 0
         current = [book.chunks[i].level if i in book.chunks else None for i in range(n_chunks)]
-        plan = self.planner.plan(chunk_density[:n_chunks], current, partial_last=partial)
+        pinned = [i for i in range(n_chunks) if i in book.chunks and book.chunks[i].pinned_exact]
+        plan = self.planner.plan(chunk_density[:n_chunks], current, partial_last=partial, pinned=pinned)
         todo = {}
         for i in range(n_chunks):
             ch = book.chunks.get(i)
@@ -506,5 +530,5 @@ class MemoryGovernor:
                 state = ChunkState.RESIDENT
             else:
                 state = ChunkState.MISSING
-            rows.append(ChunkRow(i, state, ch.level, ch.file, ch.checksum, ch.file_nbytes, ch.density))
+            rows.append(ChunkRow(i, state, ch.level, ch.file, ch.checksum, ch.file_nbytes, ch.density, ch.pinned_exact))
         self.registry.upsert_chunks(ctx, rows, durable=durable)

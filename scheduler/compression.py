@@ -51,8 +51,8 @@ Static mode (baselines): every chunk at one level (``q8`` for ``vllm-sq`` and ``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -315,6 +315,28 @@ class CompressionPlanner:
 
     def plan(self, densities: Sequence[float] | np.ndarray,
              current: Sequence[str | None] | None = None, *,
-             partial_last: bool = False) -> CompressionPlan:
-        """Plan levels for one context's chunks (see :func:`plan_tolerance` / :func:`plan_static`)."""
-        return self._fn(self.config, _as_densities(densities), current, partial_last)
+             partial_last: bool = False, pinned: Collection[int] = ()) -> CompressionPlan:
+        """Plan levels for one context's chunks (see :func:`plan_tolerance` / :func:`plan_static`).
+
+        ``pinned``: indices of chunks pinned exact. They stay ``raw`` whatever the mode, outside the
+        ranking and the budget (as a partial last chunk is); their current level must be ``raw``, since
+        a lowered chunk only comes back by recompute (the caller's to arrange)."""
+        d = _as_densities(densities)
+        if not pinned:
+            return self._fn(self.config, d, current, partial_last)
+        n = len(d)
+        cur = _as_current(current, n)
+        pins = set(pinned)
+        for i in pins:
+            if not (type(i) is int and 0 <= i < n):
+                raise ValueError(f"pinned chunk {i!r} is not one of the {n} chunks")
+            if cur[i] != "raw":
+                raise ValueError(f"pinned chunk {i} is at {cur[i]}: a pinned-exact chunk is never lowered")
+        keep = [i for i in range(n) if i not in pins]
+        if not keep:
+            return CompressionPlan(tuple(cur), (), (), 0.0, 0.0, None, True, 0, self.config.mode)
+        sub = self._fn(self.config, d[keep], [cur[i] for i in keep], partial_last and keep[-1] == n - 1)
+        levels = list(cur)
+        for k, i in enumerate(keep):
+            levels[i] = sub.levels[k]
+        return replace(sub, levels=tuple(levels), changed=tuple(keep[k] for k in sub.changed))

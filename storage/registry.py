@@ -47,7 +47,7 @@ from storage.errors import (AppExistsError, ChunkNotFoundError, ContextLimitErro
                             RegistryError, StorageError, UnknownAppError, UnknownChunkError,
                             UnknownContextError)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS apps (
@@ -73,6 +73,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     nbytes INTEGER NOT NULL DEFAULT 0,
     density REAL NOT NULL DEFAULT 0,
     last_use REAL NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0 CHECK (pinned IN (0, 1)),
     CHECK ((state IN ('swapped', 'both')) = (file IS NOT NULL)),
     PRIMARY KEY (context, idx)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS context_state (
@@ -148,6 +149,7 @@ class ChunkRecord:
     nbytes: int  # bytes of the file (0 when none)
     density: float  # information density (LLMS Eq. 1)
     last_use: float  # clock seconds
+    pinned: bool = False  # pinned exact: never lowered below raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +163,7 @@ class ChunkRow:
     checksum: str | None = None
     nbytes: int = 0
     density: float | None = None
+    pinned: bool = False  # pinned exact: never lowered below raw (the caller keeps it so)
 
 
 @dataclass(slots=True)
@@ -212,6 +215,10 @@ class Registry:
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) == 1:  # schema 1 had no pinned-exact flag: every chunk unpinned
+                self._db.execute("ALTER TABLE chunks ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0 "
+                                 "CHECK (pinned IN (0, 1))")
+                self._db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
             elif int(row[0]) != SCHEMA_VERSION:
                 raise RegistryError(f"registry schema {row[0]}; this code reads {SCHEMA_VERSION}")
 
@@ -445,14 +452,14 @@ class Registry:
             nbytes = r.nbytes if r.file else 0
             density = None if r.density is None else float(r.density)
             args.append((ctx, r.index, state.value, r.level, r.file, r.checksum, nbytes, density,
-                         ctx, r.index, now))
+                         ctx, r.index, now, int(bool(r.pinned))))
             out.append(ChunkRecord(ctx, r.index, state, r.level, r.file, r.checksum, nbytes,
-                                   density, now))
+                                   density, now, bool(r.pinned)))
         with self.transaction(durable):
             self._ctx_row(ctx, None, "id")
             self._db.executemany(
                 "INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?, COALESCE(?, (SELECT "
-                "density FROM chunks WHERE context=? AND idx=?), 0.0), ?)", args)
+                "density FROM chunks WHERE context=? AND idx=?), 0.0), ?, ?)", args)
             kept = [i for i, rec in enumerate(out) if rec.density is None]
             for i in kept:  # the stored densities, for the records returned
                 out[i] = self._record(self._q("SELECT * FROM chunks WHERE context=? AND idx=?",
@@ -474,7 +481,7 @@ class Registry:
 
     @staticmethod
     def _record(r: tuple) -> ChunkRecord:
-        return ChunkRecord(r[0], r[1], ChunkState(r[2]), *r[3:])
+        return ChunkRecord(r[0], r[1], ChunkState(r[2]), *r[3:9], bool(r[9]))
 
     def mark_chunks(self, ctx: str, indices: Iterable[int], state: ChunkState | str, *,
                     level: str | None = None, density: float | None = None,

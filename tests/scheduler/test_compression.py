@@ -239,3 +239,25 @@ def test_planner_modes_through_the_registry():
     with pytest.raises(UnknownCompressionModeError) as e:
         CompressionConfig(mode="lossy")
     assert all(name in str(e.value) for name in MODES)
+
+
+@pytest.mark.parametrize("mode", ["tolerance", "static", "none"])
+def test_pinned_chunks_stay_raw_outside_the_budget(mode):
+    planner = CompressionPlanner(CompressionConfig(mode=mode))
+    d = [0.9, 0.01, 0.5, 0.02, 0.3, 0.7]
+    plan = planner.plan(d, partial_last=True, pinned=[1, 3])
+    assert plan.levels[1] == plan.levels[3] == "raw" and plan.levels[-1] == "raw"  # pinned, partial
+    rest = planner.plan([d[i] for i in (0, 2, 4, 5)], partial_last=True)  # the others, planned alone
+    assert [plan.levels[i] for i in (0, 2, 4, 5)] == list(rest.levels) and plan.mean_ratio == rest.mean_ratio
+    assert set(plan.changed) == {i for i in (0, 2, 4, 5) if plan.levels[i] != "raw"}
+    # a pinned last chunk takes the partial chunk's place; everything pinned leaves everything raw
+    assert planner.plan(d, partial_last=True, pinned=[5]).levels[5] == "raw"
+    assert planner.plan(d, pinned=range(6)).levels == ("raw",) * 6
+
+
+def test_a_pinned_chunk_must_be_raw_and_one_of_the_chunks():
+    planner = CompressionPlanner()
+    with pytest.raises(ValueError, match="never lowered"):
+        planner.plan([0.1, 0.2], current=["q4", None], pinned=[0])
+    with pytest.raises(ValueError, match="not one of"):
+        planner.plan([0.1, 0.2], pinned=[2])

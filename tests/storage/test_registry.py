@@ -368,3 +368,27 @@ def test_save_state_commits_tokens_and_state_together(tmp_path):
     reg.close()
     again = Registry(tmp_path / "r.db")
     assert again.load_state(ctx)[0] == '{"kv_tokens": 2}'
+
+
+def test_a_schema_1_registry_gains_the_pinned_flag(tmp_path, clock):
+    """A registry written before chunks could be pinned opens as schema 2, every chunk unpinned."""
+    import storage.registry as registry
+
+    old = registry._SCHEMA.replace("    pinned INTEGER NOT NULL DEFAULT 0 CHECK (pinned IN (0, 1)),\n", "")
+    assert old != registry._SCHEMA
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(str(path))
+    db.executescript(old)
+    db.execute("INSERT INTO meta VALUES ('schema', '1')")
+    db.execute("INSERT INTO apps VALUES ('a', 'h', 1.0)")
+    db.commit()
+    db.close()
+    reg = Registry(str(path), clock=clock)
+    ctx = reg.create_context("a", "")
+    reg.upsert_chunks(ctx, [ChunkRow(0, "missing", "raw"), ChunkRow(1, "missing", "raw", pinned=True)])
+    assert [c.pinned for c in reg.chunks(ctx)] == [False, True]
+    reg.close()
+    reg = Registry(str(path), clock=clock)  # and it stays schema 2
+    assert [c.pinned for c in reg.chunks(ctx)] == [False, True]
+    assert reg._q("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
+    reg.close()

@@ -1,0 +1,181 @@
+"""The model executor's call steps against fake ports and a fake engine: no model, no Ray, no disk.
+A call locks and plans, restores, runs the engine, commits, then writes back (which unlocks); a call
+that fails or runs past its deadline after locking unlocks and commits nothing; a call on the context
+the working set holds asks the governor without waiting and checks its answer before committing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from actors.executor import CallTimeoutError, ModelExecutor
+from actors.messages import CallPlan, CommitReply, RestoreStats
+from engine.config import EngineConfig, ModelConfig
+from engine.context import CallResult
+from engine.kvcache import KVCache
+
+CHUNK = 4
+CFG = ModelConfig.from_hf({"num_attention_heads": 2, "hidden_size": 8, "vocab_size": 100, "intermediate_size": 16,
+                           "num_hidden_layers": 2, "num_key_value_heads": 1, "max_position_embeddings": 64})
+
+
+class FakeModel:
+    cfg = CFG
+    dtype = torch.float32
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        return KVCache(CFG, chunk_tokens=CHUNK, device=torch.device("cpu"), dtype=torch.float32, capacity=capacity)
+
+
+class FakeTok:
+    def system_ids(self, system_prompt):
+        return [1, 2] if system_prompt else []
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+@dataclass
+class FakeStream:
+    """Two deltas, each one new token with K/V; `fail_after` raises after that many deltas."""
+
+    ctx: object
+    fail_after: int | None = None
+    result: CallResult | None = None
+
+    def __iter__(self):
+        for k in range(2):
+            if self.fail_after == k:
+                raise RuntimeError("the engine failed")
+            self.ctx.token_ids.append(10 + k)
+            self.ctx.cache.reserve(len(self.ctx.token_ids))
+            self.ctx.cache.length = len(self.ctx.token_ids)
+            yield f"t{k}"
+        self.result = CallResult("t0t1", [10, 11], "length", len(self.ctx.token_ids), 2, 0, 2, 0.0, 0.0)
+
+
+class FakeEngine:
+    def __init__(self, fail_after=None) -> None:
+        self.model, self.tok = FakeModel(), FakeTok()
+        self.cfg = EngineConfig(chunk_tokens=CHUNK, max_context_tokens=64)
+        self.limit = 64
+        self.fail_after = fail_after
+
+    def tail_room(self) -> int:
+        return 40
+
+    def stream(self, ectx, prompt, **params):
+        return FakeStream(ectx, self.fail_after)
+
+
+@dataclass
+class FakeGovernor:
+    """`GovernorPort` recording what the executor asked, in order."""
+
+    log: list = field(default_factory=list)
+    saved: dict = field(default_factory=dict)
+    refuse_cached: bool = False
+
+    def new_ctx(self, app, system_prompt, token_ids, text, state):
+        self.saved["c1"] = (list(token_ids), state)
+        return "c1"
+
+    def begin_call(self, ctx, app=None, cached=False, known=None):
+        self.log.append("begin_call")
+        ids, state = self.saved[ctx]
+        return CallPlan(ctx, np.asarray(ids, np.int32), state, b"", 0, [], [], [])
+
+    def begin_cached_call(self, ctx, app):
+        self.log.append("begin_cached_call")
+
+        def confirm():
+            self.log.append("confirm")
+            if self.refuse_cached:
+                raise RuntimeError("the governor refused")
+
+        return confirm
+
+    def record_restore(self, ctx, measured_s, stages=None):
+        self.log.append("record_restore")
+
+    def commit_call(self, ctx, token_ids, text, state, density, kv_tokens, chunk_density, first_modified,
+                    restored=None, request_id=None):
+        self.log.append("commit_call")
+        self.saved[ctx] = (list(token_ids), state)
+        return CommitReply({i: "raw" for i in range(-(-kv_tokens // CHUNK))}, len(self.log))
+
+    def admit(self, ctx, encoded, token_starts):
+        self.log.append(("admit", len(encoded)))
+
+    def abort_call(self, ctx):
+        self.log.append("abort_call")
+
+    def loaded(self, ctx, chunks):
+        self.log.append("loaded")
+
+
+class FakeRestorer:
+    def __init__(self) -> None:
+        self.plans = []
+
+    def restore(self, ws, plan):
+        self.plans.append(plan)
+        ws.missing = set()
+        return RestoreStats(), []
+
+
+def executor(engine=None, gov=None):
+    gov = gov or FakeGovernor()
+    ex = ModelExecutor(engine or FakeEngine(), gov, FakeRestorer(), background=False)
+    ctx = ex.new_ctx("app", "Be brief.")
+    return ex, gov, ctx
+
+
+def run(gen):
+    deltas = []
+    while True:
+        try:
+            deltas.append(next(gen))
+        except StopIteration as stop:
+            return deltas, stop.value
+
+
+def test_a_call_runs_its_steps_in_order():
+    ex, gov, ctx = executor()
+    deltas, out = run(ex.call("app", ctx, "Hi."))
+    assert deltas == ["t0", "t1"] and out.text == "t0t1" and not out.hit
+    assert gov.log == ["begin_call", "record_restore", "commit_call", ("admit", 1)]
+    state = json.loads(gov.saved[ctx][1])
+    assert state["kv_tokens"] == 4 and gov.saved[ctx][0] == [1, 2, 10, 11]
+    assert ex.ws_ctx == ctx
+
+
+def test_the_next_call_on_the_held_context_confirms_before_it_commits():
+    ex, gov, ctx = executor()
+    run(ex.call("app", ctx, "Hi."))
+    gov.log.clear()
+    _, out = run(ex.call("app", ctx, "Again."))
+    assert out.hit and gov.log == ["begin_cached_call", "confirm", "commit_call", ("admit", 2)]
+    gov.log.clear()
+    gov.refuse_cached = True
+    with pytest.raises(RuntimeError, match="refused"):
+        run(ex.call("app", ctx, "Once more."))
+    assert "commit_call" not in gov.log and gov.log[-1] == "abort_call" and ex.ws_ctx is None
+
+
+def test_a_failing_engine_unlocks_and_commits_nothing():
+    ex, gov, ctx = executor(FakeEngine(fail_after=1))
+    with pytest.raises(RuntimeError, match="engine failed"):
+        run(ex.call("app", ctx, "Hi."))
+    assert gov.log == ["begin_call", "record_restore", "abort_call"] and ex.ws_ctx is None
+
+
+def test_a_deadline_in_the_past_stops_the_call_before_anything_is_locked():
+    ex, gov, ctx = executor()
+    with pytest.raises(CallTimeoutError):
+        run(ex.call("app", ctx, "Hi.", deadline=0.0))
+    assert gov.log == []
