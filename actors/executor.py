@@ -193,8 +193,17 @@ class ModelExecutor:
     # ---- contexts ---------------------------------------------------------------------------------
     def new_ctx(self, app: str, system_prompt: str | None = None,
                 history: list[tuple[str, str]] | None = None) -> str:
-        """Create a context; `history` seeds it with earlier (role, text) turns, `user` or `assistant`
-        (a stateless OpenAI-style call): their ids are prefilled with the next call."""
+        """Create a context; `history` seeds it with earlier (role, text) turns, `user` or `assistant`:
+        their ids are prefilled with the next call."""
+        tok = self.engine.tok
+        turns, ids = self._seed(system_prompt, history)
+        state = {"system_prompt": system_prompt, "turns": [{"role": t.role, "text": t.text} for t in turns] if history else [],
+                 "kv_tokens": 0, "overflows": 0}
+        return self.gov.new_ctx(app, system_prompt or "", np.asarray(ids, dtype=np.int64), tok.decode(ids),
+                                json.dumps(state))
+
+    def _seed(self, system_prompt: str | None, history) -> tuple[list[Turn], list[int]]:
+        """The turns and token ids of a conversation's start (system prompt, earlier turns)."""
         from engine.context import PromptTooLongError
 
         tok = self.engine.tok
@@ -203,17 +212,42 @@ class ModelExecutor:
             if role not in ("user", "assistant") or not isinstance(text, str):
                 raise BadRequestError("history turns are (user|assistant, text)")
             turns.append(Turn(role, text, tok.encode(text) if role == "assistant" else None))
-        if history:
-            ids = tok.conversation_ids(Conversation(turns))
-        else:
-            ids = tok.system_ids(system_prompt)
+        ids = tok.conversation_ids(Conversation(turns)) if history else tok.system_ids(system_prompt)
         if len(ids) > self.engine.tail_room():
             raise PromptTooLongError(f"the conversation of {len(ids)} tokens does not fit the context limit "
                                      f"of {self.engine.limit} tokens")
-        state = {"system_prompt": system_prompt, "turns": [{"role": t.role, "text": t.text} for t in turns] if history else [],
-                 "kv_tokens": 0, "overflows": 0}
-        return self.gov.new_ctx(app, system_prompt or "", np.asarray(ids, dtype=np.int64), tok.decode(ids),
-                                json.dumps(state))
+        return turns, list(ids)
+
+    def call_stateless(self, system_prompt: str | None, history, prompt: str, deadline: float | None = None,
+                       **params):
+        """A call on no context (an OpenAI-style call without `context_id`): the conversation so far is
+        prefilled into the working set and answered; nothing is stored, locked or counted against the
+        app's contexts. Generator of text deltas; returns a `CallOutcome`."""
+        with self._lock:
+            _check_deadline(deadline, "the call waited past its deadline before it started")
+            t0 = time.perf_counter()
+            self.flush()
+            self._last = None  # the working set is taken: the next call restores its context
+            turns, ids = self._seed(system_prompt, history)
+            self.ws.truncate(0)
+            self.ws.missing = set()
+            ectx = LiveContext(id="", system_prompt=system_prompt, token_ids=ids, conv=Conversation(turns),
+                               cache=self.ws, density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers))
+            stream = self.engine.stream(ectx, prompt, **params)
+            for delta in stream:
+                _check_deadline(deadline, "the call ran past its deadline")
+                yield delta
+            r = stream.result
+        return CallOutcome(
+            text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
+            completion_tokens=r.completion_tokens, switch_ms=0.0, restore=RestoreStats(), predicted_restore_ms=0.0,
+            model_restore_ms=0.0, ttft_s=r.ttft_s, total_s=time.perf_counter() - t0,
+            prefilled_tokens=r.prefilled_tokens, cached_tokens=r.cached_tokens)
+
+    def stream_stateless(self, system_prompt: str | None, history, prompt: str, params: dict):
+        """`call_stateless` as the port has it: text deltas, then the `CallOutcome` as the last item."""
+        outcome = yield from self.call_stateless(system_prompt, history, prompt, **params)
+        yield outcome
 
     def flush(self) -> None:
         """Wait for the last call's write-back."""
@@ -254,6 +288,8 @@ class ModelExecutor:
                     return replay
                 stats = self._restore_step(step)
                 switch_ms = (time.perf_counter() - t0) * 1000
+                if not step.cached:  # the measurement goes to the governor's cost models, outside the switch
+                    self.gov.record_restore(ctx_id, stats.seconds, stage_seconds(stats.timeline))
                 t_engine = time.perf_counter()
                 ectx, first_modified, r = yield from self._run_engine(step, prompt, deadline, params)
                 if step.confirm is not None:
@@ -319,13 +355,13 @@ class ModelExecutor:
                            ttft_s=0.0, total_s=0.0, prefilled_tokens=0, cached_tokens=0, hit=True)
 
     def _restore_step(self, step: "_Step") -> RestoreStats:
-        """Make the context's K/V attendable (nothing to do on a hit) and report the measurement."""
+        """Make the context's K/V attendable (nothing to do on a hit); the restore's own wall time is
+        in `RestoreStats.seconds`."""
         if step.cached:
             return RestoreStats()
         tr = time.perf_counter()
         stats = self._restore(step.plan)
         stats.seconds = time.perf_counter() - tr
-        self.gov.record_restore(step.plan.ctx, stats.seconds, stage_seconds(stats.timeline))
         return stats
 
     def _run_engine(self, step: "_Step", prompt: str, deadline: float | None, params: dict):
