@@ -207,7 +207,7 @@ class CallOutcome:
 
 
 @dataclass(slots=True)
-class Settled:
+class WithReleases:
     """The governor actor's answer to a call from the executor on Ray: the call's own result, with the
     keys of the resident chunks the governor dropped since the executor last heard (their object refs
     can go) and the governor process's epoch (a new one holds none of the old keys)."""

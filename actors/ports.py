@@ -131,6 +131,10 @@ class ExecutorPort(Protocol):
     def stream(self, app: str | None, ctx: str, prompt: str, params: dict) -> Iterator[Any]:
         """Text deltas (str), then the `CallOutcome` as the last item (object refs on Ray)."""
 
+    def stream_stateless(self, system_prompt: str | None, history: list | None, prompt: str,
+                         params: dict) -> Iterator[Any]:
+        """`stream` on no context: nothing stored, locked or counted against the app's contexts."""
+
     def forget(self, ctx: str) -> None:
         """The context is being deleted: finish its write-back and drop it from the working set."""
 

@@ -34,7 +34,7 @@ import ray
 
 from actors.config import ServiceConfig, private_files
 from actors.service import Components
-from actors.messages import PoolRef, RestoreRequest, Settled
+from actors.messages import PoolRef, RestoreRequest, WithReleases
 from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
 from actors.recompute import shared_working_set, working_set_nbytes
 from actors.restore import restore
@@ -152,40 +152,40 @@ class GovernorActor:
             g.delete_ctx(ctx, app)
 
     # the executor's calls: each answer carries the keys released since the executor last heard
-    def begin_call(self, ctx: str, app: str | None, cached: bool = False, known: int | None = None) -> Settled:
+    def begin_call(self, ctx: str, app: str | None, cached: bool = False, known: int | None = None) -> WithReleases:
         """The plan, its resident chunks named by key (the executor holds their refs)."""
         with self._books() as g:
             plan = g.begin_call(ctx, app, cached=cached, known=known)
             plan.resident = [(i, level, h.key if isinstance(h, PoolRef) else h) for i, level, h in plan.resident]
-            return self._settled(plan)
+            return self._with_releases(plan)
 
-    def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> Settled:
+    def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> WithReleases:
         with self._books() as g:
-            return self._settled(g.record_restore(ctx, measured_s, stages))
+            return self._with_releases(g.record_restore(ctx, measured_s, stages))
 
-    def loaded(self, ctx: str, chunks: list) -> Settled:
+    def loaded(self, ctx: str, chunks: list) -> WithReleases:
         with self._books() as g:
-            return self._settled(g.loaded(ctx, chunks))
+            return self._with_releases(g.loaded(ctx, chunks))
 
-    def commit_call(self, *args) -> Settled:
+    def commit_call(self, *args) -> WithReleases:
         with self._books() as g:
-            return self._settled(g.commit_call(*args))
+            return self._with_releases(g.commit_call(*args))
 
-    def admit(self, ctx: str, encoded: list, token_starts: dict[int, int]) -> Settled:
+    def admit(self, ctx: str, encoded: list, token_starts: dict[int, int]) -> WithReleases:
         with self._books() as g:
-            return self._settled(g.admit(ctx, encoded, token_starts))
+            return self._with_releases(g.admit(ctx, encoded, token_starts))
 
-    def abort_call(self, ctx: str) -> Settled:
+    def abort_call(self, ctx: str) -> WithReleases:
         with self._books() as g:
-            return self._settled(g.abort_call(ctx))
+            return self._with_releases(g.abort_call(ctx))
 
-    def executor_started(self) -> Settled:
+    def executor_started(self) -> WithReleases:
         with self._books() as g:
-            return self._settled(g.executor_started())
+            return self._with_releases(g.executor_started())
 
-    def _settled(self, value) -> Settled:
+    def _with_releases(self, value) -> WithReleases:
         released, self._released = self._released, []
-        return Settled(value, released, self.epoch)
+        return WithReleases(value, released, self.epoch)
 
     def set_profile(self, profile_json: str) -> None:
         with self._books() as g:
@@ -464,6 +464,19 @@ class ExecutorActor:
             self.metrics.calls.labels(self.policy, "error").inc()
             raise
         self._observe(asdict(out))
+        yield out
+
+    def stream_stateless(self, system_prompt: str | None, history: list | None, prompt: str, params: dict):
+        """Streaming generator: text deltas (str), then the `CallOutcome` of a call on no context."""
+        try:
+            out = yield from self.ex.call_stateless(system_prompt, history, prompt, **params)
+        except BaseException:
+            self.metrics.calls.labels(self.policy, "error").inc()
+            raise
+        m, p = self.metrics, self.policy
+        m.ttft.labels(p).observe(out.ttft_s)
+        m.tokens.labels(p).inc(out.completion_tokens)
+        m.decode_seconds.labels(p).inc(max(0.0, out.total_s - out.ttft_s))
         yield out
 
     def profile(self, read_bytes_per_s: float) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import ray
 
 from actors import retry
-from actors.messages import CallInterruptedError, CallPlan, CommitReply, PoolRef, RestoreRequest, RestoreStats, Settled
+from actors.messages import CallInterruptedError, CallPlan, CommitReply, PoolRef, RestoreRequest, RestoreStats, WithReleases
 from storage import codecs
 
 
@@ -68,7 +68,7 @@ class ResidentRefs:
                 out.append(PoolRef(self._next_key, ref))
         return out
 
-    def settle(self, released: list[int], epoch: str) -> None:
+    def drop_released(self, released: list[int], epoch: str) -> None:
         """Drop what the governor released; forget everything when it is a new governor process."""
         with self._lock:
             if epoch != self._epoch:
@@ -81,7 +81,7 @@ class ResidentRefs:
 
 
 class GovernorStub:
-    """`GovernorPort` over the governor actor. `refs`: the executor's resident refs, settled with
+    """`GovernorPort` over the governor actor. `refs`: the executor's resident refs, updated with
     every plan (None for the other callers)."""
 
     def __init__(self, handle, refs: ResidentRefs | None = None) -> None:
@@ -112,7 +112,7 @@ class GovernorStub:
 
     def begin_call(self, ctx: str, app: str | None = None, cached: bool = False,
                    known: int | None = None) -> CallPlan:
-        return self._settle(retry.call(self.handle.begin_call, ctx, app, cached, known))
+        return self._unwrap(retry.call(self.handle.begin_call, ctx, app, cached, known))
 
     def begin_cached_call(self, ctx: str, app: str | None) -> Callable[[], None]:
         """Sent without waiting; the returned function waits for it and raises its error."""
@@ -123,36 +123,36 @@ class GovernorStub:
                 reply = ray.get(ref)
             except ray.exceptions.ActorUnavailableError:  # the governor is restarting: ask the new one
                 reply = retry.call(self.handle.begin_call, ctx, app, True)
-            self._settle(reply)
+            self._unwrap(reply)
 
         return confirm
 
-    def _settle(self, reply: Settled):
+    def _unwrap(self, reply: WithReleases):
         """The call's result, after dropping the refs the governor released (the executor's view)."""
         if self.refs is not None:
-            self.refs.settle(reply.released, reply.epoch)
+            self.refs.drop_released(reply.released, reply.epoch)
         return reply.value
 
     def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> None:
-        self._settle(retry.call(self.handle.record_restore, ctx, measured_s, stages))
+        self._unwrap(retry.call(self.handle.record_restore, ctx, measured_s, stages))
 
     def loaded(self, ctx: str, chunks: list[tuple[int, Any, int]]) -> None:
-        self._settle(retry.call(self.handle.loaded, ctx, chunks))
+        self._unwrap(retry.call(self.handle.loaded, ctx, chunks))
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
                     request_id: str | None = None) -> CommitReply:
-        return self._settle(retry.call(self.handle.commit_call, ctx, token_ids, text, state, density, kv_tokens,
+        return self._unwrap(retry.call(self.handle.commit_call, ctx, token_ids, text, state, density, kv_tokens,
                                        chunk_density, first_modified, restored, request_id))
 
     def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
-        self._settle(retry.call(self.handle.admit, ctx, encoded, token_starts))
+        self._unwrap(retry.call(self.handle.admit, ctx, encoded, token_starts))
 
     def abort_call(self, ctx: str) -> None:
-        self._settle(retry.call(self.handle.abort_call, ctx))
+        self._unwrap(retry.call(self.handle.abort_call, ctx))
 
     def executor_started(self) -> int:
-        return self._settle(retry.call(self.handle.executor_started))
+        return self._unwrap(retry.call(self.handle.executor_started))
 
     def set_profile(self, profile_json: str) -> None:
         retry.call(self.handle.set_profile, profile_json)
@@ -211,6 +211,9 @@ class ExecutorStub:
 
     def stream(self, app: str | None, ctx: str, prompt: str, params: dict):
         return self.handle.stream.remote(app, ctx, prompt, params)
+
+    def stream_stateless(self, system_prompt: str | None, history: list | None, prompt: str, params: dict):
+        return self.handle.stream_stateless.remote(system_prompt, history, prompt, params)
 
     def forget(self, ctx: str) -> None:
         retry.call(self.handle.forget, ctx)

@@ -150,6 +150,22 @@ class ContextService:
     def call(self, token: str, ctx: str, prompt: str, **params) -> CallOutcome:
         return drain(self.stream(token, ctx, prompt, **params))
 
+    def stream_stateless(self, token: str, system_prompt: str | None, history: list | None, prompt: str,
+                         **params):
+        """A call on no context: `history` ((role, text) turns) and `prompt` are answered, nothing is
+        stored or counted against the app's contexts. Generator of text deltas; returns the outcome."""
+        self.app_of(token)  # the app must exist, though nothing of it is touched
+        for item in self.executor.stream_stateless(system_prompt, history, prompt, params):
+            item = self.resolve(item)
+            if isinstance(item, CallOutcome):
+                return item
+            yield item
+        raise RuntimeError("the executor's stream ended without an outcome")
+
+    def call_stateless(self, token: str, system_prompt: str | None, history: list | None, prompt: str,
+                       **params) -> CallOutcome:
+        return drain(self.stream_stateless(token, system_prompt, history, prompt, **params))
+
     def flush(self) -> None:
         """Wait for the last call's write-back (benchmarks wait here between calls)."""
         self.executor.flush()

@@ -45,17 +45,22 @@ RETRY_AFTER_S = {"overloaded": 1, "capacity": 2, "kv_pool_budget": 2, "not_enoug
 class APIError(Exception):
     """An error answered as `{"error": {"code", "message"}}` with the code's status."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code if code in STATUS else "internal"
         self.message = message
+        self.request_id = request_id
+        """Set on internal errors: the id under which the server logged the traceback."""
 
     @property
     def status(self) -> int:
         return STATUS[self.code]
 
     def body(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message}}
+        err = {"code": self.code, "message": self.message}
+        if self.request_id is not None:
+            err["request_id"] = self.request_id
+        return {"error": err}
 
     def headers(self) -> dict[str, str]:
         s = RETRY_AFTER_S.get(self.code)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import os
 import time
 import uuid
@@ -41,6 +42,9 @@ from deploy.api_models import (
 )
 
 
+log = logging.getLogger("ray.serve.llmaas")  # under Serve's logger: the replica's log file has it
+
+
 # ---- calling the actors from async code --------------------------------------------------------------
 
 def _request_id(request: Request) -> str:
@@ -52,6 +56,17 @@ def _request_id(request: Request) -> str:
     if not 1 <= len(key) <= 128 or not key.isprintable():
         raise APIError("invalid_request", "Idempotency-Key must be 1-128 printable characters")
     return "client:" + key
+
+
+def _typed(e: BaseException) -> APIError:
+    """The API error for an exception the service raised. An unexpected one (500) is logged with its
+    traceback under a new request id, which the reply carries, so that it can be found."""
+    err = from_exception(_cause(e))
+    if err.code == "internal":
+        rid = uuid.uuid4().hex
+        log.error("internal error, request id %s", rid, exc_info=e)
+        err = APIError("internal", f"{err.message}; request id {rid} (the server log has the traceback)", rid)
+    return err
 
 
 def _cause(e: BaseException) -> BaseException:
@@ -194,7 +209,7 @@ async def _http_error(_request: Request, e: StarletteHTTPException):
 
 @api.exception_handler(Exception)
 async def _unexpected(_request: Request, e: Exception):
-    return _error_response(from_exception(_cause(e)))
+    return _error_response(_typed(e))
 
 
 def _bearer(request: Request) -> str:
@@ -221,7 +236,7 @@ async def _chain(head: list, rest):
         await rest.aclose()
 
 
-def _sse_response(head: list, events, on_delta, on_done, first: dict | None = None, cleanup=None) -> StreamingResponse:
+def _sse_response(head: list, events, on_delta, on_done, first: dict | None = None) -> StreamingResponse:
     """A call's events as Server-Sent Events: `first`, each delta and the outcome rendered by the
     callbacks, an error event if the call fails midway, then `[DONE]`."""
     async def gen():
@@ -235,8 +250,6 @@ def _sse_response(head: list, events, on_delta, on_done, first: dict | None = No
             yield _sse(e.body())
         finally:
             await chain.aclose()
-            if cleanup is not None:
-                await cleanup()
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(gen(), media_type="text/event-stream")
@@ -328,7 +341,7 @@ class Ingress:
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise from_exception(_cause(e)) from None
+            raise _typed(e) from None
 
     async def _front(self, fn, *args):
         """A method of the service's front (blocking: run on a thread), its errors typed API errors."""
@@ -337,7 +350,7 @@ class Ingress:
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise from_exception(_cause(e)) from None
+            raise _typed(e) from None
 
     def _timeout(self, request: Request) -> float:
         """The server's request timeout, or less when the client asks (`X-Request-Timeout`, seconds)."""
@@ -353,20 +366,19 @@ class Ingress:
             t = min(t, asked)
         return t
 
-    async def _events(self, app: str, ctx: str, prompt: str, params: dict, timeout_s: float,
-                      request_id: str) -> AsyncIterator[str | dict]:
-        """Text deltas of one call, then its outcome (a dict). Holds a limiter slot throughout.
-        `request_id`: a call sent again with the id of a committed one appends nothing."""
+    async def _events(self, timeout_s: float, method, *args, params: dict) -> AsyncIterator[str | dict]:
+        """Text deltas of one call (the executor's `stream` or `stream_stateless`, with `args` and
+        `params` and a deadline), then its outcome (a dict). Holds a limiter slot throughout."""
         deadline = time.time() + timeout_s
         await self.limiter.acquire(timeout_s)
         try:
-            gen = self.executor.stream.remote(app, ctx, prompt, dict(params, deadline=deadline, request_id=request_id))
+            gen = method.remote(*args, dict(params, deadline=deadline))
             try:
                 async for ref in gen:
                     item = await ref
                     yield asdict(item) if isinstance(item, CallOutcome) else item
             except Exception as e:  # noqa: BLE001
-                raise from_exception(_cause(e)) from None
+                raise _typed(e) from None
         finally:
             self.limiter.release()
 
@@ -448,7 +460,8 @@ class Ingress:
     async def call(self, ctx: str, body: CallBody, request: Request):
         app = await self._app(request)
         check_context_id(ctx)
-        events = self._events(app, ctx, body.prompt, body.params(), self._timeout(request), _request_id(request))
+        events = self._events(self._timeout(request), self.executor.stream, app, ctx, body.prompt,
+                              params=dict(body.params(), request_id=_request_id(request)))
         head, events = await self._first(events)
         if body.stream:
             return _sse_response(head, events, lambda d: {"delta": d},
@@ -468,24 +481,19 @@ class Ingress:
         params = body.params()
         if body.max_completion_tokens is not None:
             params["max_tokens"] = body.max_completion_tokens
-        temp = None
         if body.context_id is not None:
             ctx = check_context_id(body.context_id)
             info = await self._do(self.gov.describe, ctx, app)
             prompt = reconcile(info["turns"], body.messages).prompt
-        else:  # stateless: a throwaway context seeded with the conversation so far
+            events = self._events(self._timeout(request), self.executor.stream, app, ctx, prompt,
+                                  params=dict(params, request_id=_request_id(request)))
+        else:  # stateless: the conversation so far is answered on no context, nothing is stored
             system, history, prompt = split_stateless(body.messages)
-            ctx = temp = await self._do(self.executor.new_ctx, app, system, history)
-        try:
-            events = self._events(app, ctx, prompt, params, self._timeout(request), _request_id(request))
-            head, events = await self._first(events)
-        except BaseException:
-            if temp:
-                await self._delete_quietly(temp, app)
-            raise
+            events = self._events(self._timeout(request), self.executor.stream_stateless, system, history, prompt,
+                                  params=params)
+        head, events = await self._first(events)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_id}
-        cleanup = (lambda: self._delete_quietly(temp, app)) if temp else None
         if body.stream:
             def chunk(delta: dict, finish=None, **more) -> dict:
                 return {**base, "object": "chat.completion.chunk",
@@ -495,22 +503,12 @@ class Ingress:
                 head, events, lambda d: chunk({"content": d}),
                 lambda o: chunk({}, o["finish_reason"], usage=_usage(o), context_id=body.context_id,
                                 switch_ms=o["switch_ms"]),
-                first=chunk({"role": "assistant", "content": ""}), cleanup=cleanup)
-        try:
-            o = await _outcome(head, events)
-        finally:
-            if cleanup is not None:
-                await cleanup()
+                first=chunk({"role": "assistant", "content": ""}))
+        o = await _outcome(head, events)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},
                              "finish_reason": o["finish_reason"]}],
                 "usage": _usage(o), "context_id": body.context_id, "switch_ms": o["switch_ms"]}
-
-    async def _delete_quietly(self, ctx: str, app: str) -> None:
-        try:
-            await self._delete(ctx, app)
-        except Exception:  # noqa: BLE001 - a throwaway context; the call's own outcome matters
-            pass
 
 
 def build(args: dict | None = None):

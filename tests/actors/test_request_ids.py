@@ -83,3 +83,4 @@ def test_the_governor_refuses_to_commit_one_request_twice(svc):
     # the id survives a rebuild of the books from the registry
     gov.executor_started()
     assert gov.books[ctx].request_id == "once"
+

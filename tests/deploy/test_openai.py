@@ -26,7 +26,10 @@ def test_models(oai):
     assert len(ids) == 1 and ids[0]
 
 
-def test_stateless_chat_equals_engine(oai, engine):
+def test_stateless_chat_equals_engine(server, oai, token, engine):
+    """Without `context_id` the conversation so far is answered on no context: the replies equal the
+    engine's, and the app holds no context afterwards (nothing stored, nothing counted)."""
+    before = Client(server.url, token).contexts()
     # reference: the same conversation on the in-process engine, with the assistant turn as history
     ctx = engine.new_ctx(SYSTEM)
     first = engine.call(ctx, "Name a fruit.", max_tokens=10).text
@@ -43,6 +46,7 @@ def test_stateless_chat_equals_engine(oai, engine):
     chunks = list(oai.chat.completions.create(model="any", messages=msgs, max_tokens=10, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert Client(server.url, token).contexts() == before
 
 
 def test_stateful_chat_via_context_id(server, oai, token, engine):
