@@ -183,6 +183,7 @@ def test_actor_killed_mid_restore_is_retried_exactly(ray_cluster, reference, tmp
     a victim shows the executor de-quantizing loaded chunks while later ones are still read."""
     import signal
     import threading
+    import time
 
     victims = ("recompute", "io", "gov")
     svc = start(tmp_path, "vllm-s", "t-kill", pool_bytes=1 << 20, read_bytes_per_s=1e6, read_burst_bytes=16 << 10)
@@ -203,10 +204,20 @@ def test_actor_killed_mid_restore_is_retried_exactly(ray_cluster, reference, tmp
         handle = getattr(svc.parts, victims[k])
         pid = lambda h=handle: ray.get(h.__ray_call__.remote(lambda self: os.getpid()))  # noqa: E731
         before = pid()
-        kill_after_s = 0.5
-        threading.Timer(kill_after_s, os.kill, (before, signal.SIGKILL)).start()  # as the OOM killer would
-        o = svc.call(tok, c, p, max_tokens=8)
-        assert o.restore.loaded >= 1 and o.switch_ms > kill_after_s * 1000, victims[k]  # killed in it
+        done: dict = {}
+        call = threading.Thread(target=lambda: done.update(o=svc.call(tok, c, p, max_tokens=8)))
+        call.start()
+        # the gate: the call holds its context at the governor (its restore has begun, and at 1 MB/s
+        # lasts seconds); then the victim dies, as under the OOM killer
+        deadline = time.monotonic() + 120
+        while not svc.governor.describe(c, "app")["busy"]:
+            assert call.is_alive() and time.monotonic() < deadline, victims[k]
+            time.sleep(0.01)
+        assert call.is_alive(), victims[k]  # the kill lands inside the call
+        os.kill(before, signal.SIGKILL)
+        call.join()
+        o = done["o"]
+        assert o.restore.loaded >= 1, victims[k]
         assert pid() != before, victims[k]  # and restarted
         assert o.restore.faults >= (victims[k] == "recompute"), victims[k]
         outs.append(o)
