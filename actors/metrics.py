@@ -56,6 +56,8 @@ class Metrics:
                                     "chunk files", ["direction"], registry=r)
         self.requests = Counter(p + "requests_total", "HTTP requests by route and status code", ["route", "code"],
                                 registry=r)
+        self.restarts = Counter(p + "actor_restarts_total", "Restarts of a service actor after it failed (each "
+                                "restarted process counts its own start)", ["role"], registry=r)
         self.port = 0
 
     def start(self, role: str, data_dir: str) -> int:

@@ -44,6 +44,31 @@ from scheduler.pipeline import HandoverCost, layer_group_size
 from storage import codecs
 
 
+RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
+"""Pause before a restarted actor starts again, by its restarts in the last `RESTART_WINDOW_S`: a
+crash-looping actor slows down instead of spinning, one that failed once comes straight back."""
+RESTART_WINDOW_S = 60.0
+
+
+def restarted(role: str, data_dir: str, metrics) -> bool:
+    """Call early in an actor's start: when Ray is restarting it after a failure, count the restart
+    (`llmaas_actor_restarts_total{role}`, a file per role under `<data_dir>/restarts` keeps the
+    recent ones) and pause by `RESTART_BACKOFF_S`. Returns whether this start is a restart."""
+    if not ray.get_runtime_context().was_current_actor_reconstructed:
+        return False
+    log = Path(data_dir) / "restarts" / role
+    log.parent.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    try:
+        recent = [float(x) for x in log.read_text().split() if now - float(x) < RESTART_WINDOW_S]
+    except (FileNotFoundError, ValueError):
+        recent = []
+    log.write_text(" ".join(map(str, recent + [now])))
+    metrics.restarts.labels(role).inc()
+    time.sleep(RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S) - 1)])
+    return True
+
+
 class IOActor(KVSwapIO):
     """The KV swap/IO worker actor: the plain worker plus its metrics (bytes and seconds each way)."""
 
@@ -57,6 +82,7 @@ class IOActor(KVSwapIO):
         super().__init__(root, fingerprint, config, **kw)
         m = Metrics()
         m.start("io", data_dir)
+        restarted("io", data_dir, m)
         for direction in ("in", "out"):
             m.swap.labels(direction)
             m.swap_seconds.labels(direction)
@@ -99,6 +125,7 @@ class GovernorActor:
         self.gov = MemoryGovernor(reg, SwapIOStub(io_handle), parts.governor, profile=profile, release=self._release)
         self.metrics = Metrics()
         self.metrics.start("governor", c.data_dir)
+        restarted("governor", c.data_dir, self.metrics)
         self.metrics.evictions.labels(c.policy)
         self._evictions = 0
         self._publish()
@@ -432,6 +459,7 @@ class ExecutorActor:
         self.metrics = Metrics()
         self.metrics.start("executor", c.data_dir)
         init_executor_series(self.metrics, self.policy)
+        restarted("executor", c.data_dir, self.metrics)
         from storage.heap import freeze_startup_objects
 
         freeze_startup_objects()  # no full collection walks torch's, Ray's and the model's objects in a call

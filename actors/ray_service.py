@@ -26,8 +26,9 @@ from actors.service import WEIGHT_FORMAT, ContextService, components
 
 NAMESPACE = "llmaas"
 
-MAX_RESTARTS = 2
-"""Restarts Ray grants each actor."""
+MAX_RESTARTS = -1
+"""Restarts Ray grants each actor: as many as it fails (a crash loop slows down by
+`actors.ray_actors.RESTART_BACKOFF_S`)."""
 
 
 @dataclass(slots=True)

@@ -230,3 +230,27 @@ def test_actor_killed_mid_restore_is_retried_exactly(ray_cluster, reference, tmp
     assert any(reads[0] <= a < reads[-1] for what, _i, a, _b in tl if what == "decode"), \
         "no loaded chunk was de-quantized while later ones were still read"
     svc.close()
+
+
+def test_the_executor_comes_back_however_often_it_is_killed(ray_cluster, reference, tmp_path):
+    """Actors restart as often as they fail (before, the third failure was permanent): the executor
+    killed five times answers after each, exactly, and each restart is counted."""
+    from actors.messages import CallInterruptedError
+
+    svc = start(tmp_path, "vllm-s", "t-again", pool_bytes=3 << 20)
+    tok = svc.bind("app")
+    ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
+    for k in range(5):
+        ray_cluster.kill(svc.parts.executor, no_restart=False)
+        for _attempt in range(3):  # a call may still meet the dying process; the next waits for the new one
+            try:
+                out = svc.call(tok, ctxs[k % len(ctxs)], PROMPTS[k % len(PROMPTS)], max_tokens=8)
+                break
+            except CallInterruptedError:
+                continue
+        else:
+            pytest.fail(f"no answer after kill {k + 1}")
+        if k < len(PROMPTS):  # each context's first turn: exactly the engine's
+            assert out.token_ids == reference[0][k], k
+    assert len((tmp_path / "restarts" / "executor").read_text().split()) == 5
+    svc.close()
