@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -250,10 +251,16 @@ class ModelExecutor:
         yield outcome
 
     def flush(self) -> None:
-        """Wait for the last call's write-back."""
+        """Wait for the last call's write-back. Its failure is the service's business, not the next
+        call's: the turn was committed before the reply, and chunks that were not written come back by
+        recompute from the token ids; it is logged."""
         if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - logged with its traceback; nothing committed is lost
+                logging.getLogger(__name__).exception("the write-back after a committed call failed; its "
+                                                      "chunks will be recomputed from the token ids")
 
     def forget(self, ctx: str) -> None:
         """`ctx` is being deleted: its write-back must end first, and the working set lets it go."""
@@ -459,10 +466,15 @@ class ModelExecutor:
         """Encode the chunks the governor asked for and admit them to the pool (after the reply). The
         chunks are encoded straight from the working set: the next call waits for this (`flush`)
         before it writes there."""
-        order = sorted(todo.items())
-        encs = [codecs.encode(self.ws.chunk_array(i), level, dtype=self.level_dtype) for i, level in order]
-        encoded = [(i, level, h, enc.nbytes) for (i, level), enc, h in zip(order, encs, self.put(encs))]
-        self.gov.admit(ctx, encoded, {i: i * self.chunk for i, _ in order})
+        try:
+            order = sorted(todo.items())
+            encs = [codecs.encode(self.ws.chunk_array(i), level, dtype=self.level_dtype) for i, level in order]
+            encoded = [(i, level, h, enc.nbytes) for (i, level), enc, h in zip(order, encs, self.put(encs))]
+            self.gov.admit(ctx, encoded, {i: i * self.chunk for i, _ in order})
+        except BaseException:
+            with contextlib.suppress(Exception):  # admit unlocks even when it fails; before it, this does
+                self.gov.abort_call(ctx)
+            raise
 
 
 def _is_handle(x) -> bool:
