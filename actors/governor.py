@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from actors.messages import CallPlan, CommitReply
+from scheduler import levels as L
 from scheduler.compression import CompressionPlanner
 from scheduler.errors import CapacityError
 from scheduler.eviction import EvictionQueue
@@ -50,6 +51,10 @@ class GovernorConfig:
     pipeline_groups: int = 1
     """Layer groups a restore streams from the reader to the consumer (the G of Eq. 4',
     scheduler/pipeline.py); 1 plans with no overlap. Set by the service from its restorer."""
+    raw_chunk_bytes: int = 0
+    """Bytes of one full chunk's K/V at `raw` (the model's layers x K and V x KV heads x head size x
+    chunk tokens x the dtype's size). It measures pressure (`room`): while the contexts in the pool
+    fit at raw, nothing is lowered. 0: unknown, every plan at the policy's configured ratio."""
 
 
 @dataclass(slots=True)
@@ -184,15 +189,24 @@ class MemoryGovernor:
         return ctx
 
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
+        """Delete a context: its chunk files first, then its rows and books. Deleting files needs no
+        space and gives some back, while the rows' transaction needs some (SQLite's WAL), so this
+        works on a full disk. Should the rows' transaction still fail (DiskFullError), the context
+        stays, without files: a call on it recomputes its chunks from its token ids, and deleting it
+        again works once there is room. UnknownContextError for another app's context."""
         if ctx in self.locked:
             raise ContextBusyError("context is in use by a call")
+        self.registry.get_context(ctx, app)  # refused before a file is touched
+        self.io.delete_context(ctx)
+        book = self.books.get(ctx)
+        for ch in book.chunks.values() if book is not None else ():
+            ch.file, ch.file_nbytes, ch.checksum = None, 0, None
         self.registry.delete_context(ctx, app)
-        book = self.books.pop(ctx, None)
+        self.books.pop(ctx, None)
         self._unsaved.pop(ctx, None)
         if book is not None:
             for i, ch in book.chunks.items():
                 self._drop_resident(ctx, i, ch)
-        self.io.delete_context(ctx)
 
     def pin_exact(self, ctx: str, indices: Iterable[int]) -> None:
         """Pin chunks of `ctx` exact: no policy lowers them below raw from now on, so K/V reused from
@@ -390,7 +404,8 @@ class MemoryGovernor:
         partial = kv_tokens % self.cfg.chunk_tokens != 0
         current = [book.chunks[i].level if i in book.chunks else None for i in range(n_chunks)]
         pinned = [i for i in range(n_chunks) if i in book.chunks and book.chunks[i].pinned_exact]
-        plan = self.planner.plan(chunk_density[:n_chunks], current, partial_last=partial, pinned=pinned)
+        plan = self.planner.plan(chunk_density[:n_chunks], current, partial_last=partial, pinned=pinned,
+                                 room=self.room(ctx))
         todo = {}
         for i in range(n_chunks):
             ch = book.chunks.get(i)
@@ -399,6 +414,20 @@ class MemoryGovernor:
             if ch is not None:
                 ch.density = float(chunk_density[i])
         return CommitReply(todo, book.version)
+
+    def room(self, ctx: str) -> float | None:
+        """The mean compression ratio the pool allows now (None when `raw_chunk_bytes` is unknown):
+        the pool against the raw bytes of the contexts in the eviction queue's set and `ctx`, times
+        raw's ratio (4 for float32). At or above raw's ratio there is no pressure; the compression
+        planner never goes below the policy's configured ratio whatever this says."""
+        if self.cfg.raw_chunk_bytes <= 0:
+            return None
+        chunk = self.cfg.chunk_tokens
+        in_pool = set(self.queue.contexts()) | {ctx}
+        n = sum(-(-self.books[c].kv_tokens // chunk) for c in in_pool if c in self.books)
+        if n == 0:
+            return None
+        return L.ratio("raw", self.cfg.dtype) * self.cfg.pool_bytes / (n * self.cfg.raw_chunk_bytes)
 
     def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
         """Take the call's newly encoded chunks into the pool: (index, level, handle, nbytes). Evicts

@@ -18,9 +18,8 @@ from typing import Any
 import ray
 
 from actors.config import ServiceConfig, prepare_data_dir
-from actors.ray_actors import ExecutorActor, GovernorActor, IOActor
+from actors.ray_actors import HEALTH_GROUPS, ExecutorActor, GovernorActor, IOActor, RecomputeActor
 from actors.ray_stubs import ExecutorStub, GovernorStub, resolve, resolve_call_item
-from actors.recompute import RecomputeWorker
 from actors.messages import KVKey
 from actors.service import WEIGHT_FORMAT, ContextService, components
 
@@ -40,6 +39,17 @@ class RayParts:
     recompute: Any
     executor: Any
 
+    def by_role(self) -> dict[str, Any]:
+        """The handles by the name of their role, as errors and readiness replies name them."""
+        return {"memory governor": self.gov, "KV swap/IO worker": self.io, "recompute worker": self.recompute,
+                "model executor": self.executor}
+
+
+def _actor(cls):
+    """`cls` as a Ray actor class with the service's concurrency groups (`HEALTH_GROUPS`: the probe
+    `alive` answers on a thread of its own while a call runs)."""
+    return ray.remote(concurrency_groups=HEALTH_GROUPS)(cls)
+
 
 def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: str = "llmaas",
              max_restarts: int = MAX_RESTARTS) -> ContextService:
@@ -50,17 +60,17 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
 
     resolved = resolve_model(model_path, progress=True)
     model_cfg = ModelConfig.from_hf(json.loads((Path(resolved.directory) / "config.json").read_text()))
-    parts = components(config, model_cfg.n_layers, "float32", device="cpu")
+    parts = components(config, model_cfg, "float32", device="cpu")
     prepare_data_dir(config.data_dir)
     common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
-    io = ray.remote(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
+    io = _actor(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
         str(Path(config.data_dir) / "chunks"), KVKey(resolved.fingerprint, WEIGHT_FORMAT).record_tag(), parts.store,
         config.data_dir, resolve=resolve)
-    gov = ray.remote(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
+    gov = _actor(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
         config, parts, io, resolved.fingerprint)
-    recompute = ray.remote(RecomputeWorker).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
+    recompute = _actor(RecomputeActor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
         str(resolved.directory), resolved.fingerprint, parts.engine, io, 1)
-    executor = ray.remote(ExecutorActor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
+    executor = _actor(ExecutorActor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
         config, parts, str(resolved.directory), resolved.fingerprint, gov, recompute, io, prefix, 1)
     ray.get([executor.__ray_ready__.remote(), recompute.__ray_ready__.remote()])
     if not config.profile:

@@ -20,7 +20,7 @@ from actors.config import ServiceConfig, prepare_data_dir
 from actors.governor import GovernorConfig
 from actors.messages import CallInterruptedError, CallOutcome, KVKey
 from actors.ports import ExecutorPort, GovernorPort
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from storage.chunkstore import ChunkStoreConfig
 from storage.registry import RegistryConfig
 
@@ -51,10 +51,13 @@ class Components:
     """The memory governor."""
 
 
-def components(config: ServiceConfig, n_layers: int, dtype: str, device: str = "auto") -> Components:
-    """The components' configurations for a model of `n_layers` layers computing in `dtype`."""
+def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: str = "auto") -> Components:
+    """The components' configurations for a model of shape `model` computing in `dtype`."""
     from actors.executor import GROUP_LAYERS
     from actors.swapio import layer_groups
+
+    raw_chunk_bytes = (2 * model.n_layers * model.n_kv_heads * model.head_dim * config.chunk_tokens
+                       * DTYPE_BYTES[dtype])
 
     return Components(
         engine=EngineConfig(max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
@@ -63,9 +66,13 @@ def components(config: ServiceConfig, n_layers: int, dtype: str, device: str = "
         store=ChunkStoreConfig(disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
                                read_burst_bytes=config.read_burst_bytes),
         governor=GovernorConfig(pool_bytes=config.pool_bytes, chunk_tokens=config.chunk_tokens, policy=config.policy,
-                                dtype=dtype, pipeline_groups=len(layer_groups(n_layers, GROUP_LAYERS))),
+                                dtype=dtype, pipeline_groups=len(layer_groups(model.n_layers, GROUP_LAYERS)),
+                                raw_chunk_bytes=raw_chunk_bytes),
     )
 
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per value of each compute dtype (a raw chunk's size)."""
 
 WEIGHT_FORMAT = "fp32"
 """The engine's weight format: the checkpoint de-quantized to float (part of every chunk's `KVKey`)."""
@@ -207,7 +214,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     elif engine.model.engine_cfg.chunk_tokens != config.chunk_tokens:
         raise ValueError(f"the engine passed cuts {engine.model.engine_cfg.chunk_tokens}-token chunks but the "
                          f"service is configured for {config.chunk_tokens}; load a model with that chunk size")
-    parts = components(config, engine.model.cfg.n_layers, dtype_name(engine.model.dtype))
+    parts = components(config, engine.model.cfg, dtype_name(engine.model.dtype))
     if engine.cfg.max_context_tokens != config.max_context_tokens:
         engine = ContextEngine(engine.model, engine.tok, parts.engine)
     fingerprint = getattr(engine, "fingerprint", "") or "unknown-model"

@@ -45,6 +45,13 @@ plan puts every chunk at its lightest allowed level, the least mean ratio there 
 ``feasible=False``. Ties between threshold tuples (equal fidelity up to rounding): the lower mean
 ratio wins, then the lexicographically smallest thresholds, so plans are deterministic.
 
+Pressure (``room``). The configured ratio is a floor, not a target: while memory holds every
+context in use at ``raw``, lowering chunks loses accuracy for nothing. The caller passes the mean
+ratio memory allows now (the pool against the raw bytes of the contexts in it); the plan's bound is
+the larger of that and the configured ratio. Without pressure nothing is lowered; between ``raw``
+and ``q8`` the densest chunks stay raw and the rest go to q8 (:func:`plan_roomy`); below ``q8``'s
+ratio the tolerance enumeration runs at that bound, reaching the configured ratio at full pressure.
+
 Static mode (baselines): every chunk at one level (``q8`` for ``vllm-sq`` and ``llms-no-compress``,
 ``raw`` for lossless), still never rising. Mode ``none`` is static ``raw``.
 """
@@ -261,6 +268,34 @@ def plan_tolerance(densities: Sequence[float] | np.ndarray, *, global_ratio: flo
     return _finish("tolerance", out, cur, d, nb, thresholds, global_ratio, feasible, dtype, weights)
 
 
+def plan_roomy(densities: Sequence[float] | np.ndarray, *, room: float, levels: Sequence[str] = L.DEFAULT_PLAN_LEVELS,
+               current: Sequence[str | None] | None = None, partial_last: bool = False,
+               dtype: str = "float32", weights: str = "measured") -> CompressionPlan:
+    """A plan when memory allows a mean ratio ``room`` above the heaviest planned level's (``q8``):
+    every chunk at ``levels[0]`` or lighter, then, densest first, chunks heavier than that keep their
+    level (``raw`` for a new chunk) while the mean stays within ``room``. At ``room >= ratio(raw)``
+    nothing is lowered.
+
+    Why this order: per unit of ratio spent, lifting a chunk from q4 to q8 buys ten times the measured
+    fidelity that lifting it from q8 to raw does (:data:`scheduler.levels.FIDELITY`), so the budget goes
+    to q8 everywhere before it goes to raw anywhere, and raw goes to the densest chunks first.
+    """
+    d = _as_densities(densities)
+    cur = _as_current(current, len(d))
+    lv = L.check_plan_levels(levels)
+    nb = _budget_count(len(d), partial_last)
+    out = list(cur)
+    for i in range(nb):
+        out[i] = L.lighter(lv[0], cur[i])
+    spare = room * nb - sum(L.ratio(out[i], dtype) for i in range(nb))
+    for i in (int(j) for j in np.argsort(-d[:nb], kind="stable")):
+        lift = L.ratio(cur[i], dtype) - L.ratio(out[i], dtype)
+        if lift > 0 and lift <= spare + _RATIO_EPS:
+            out[i] = cur[i]  # kept at its level (raw for a new chunk)
+            spare -= lift
+    return _finish("tolerance", out, cur, d, nb, (), room, True, dtype, weights)
+
+
 def plan_static(level: str, n_chunks: int, *, densities: Sequence[float] | np.ndarray | None = None,
                 current: Sequence[str | None] | None = None, partial_last: bool = False,
                 dtype: str = "float32", mode: str = "static") -> CompressionPlan:
@@ -280,23 +315,31 @@ def plan_static(level: str, n_chunks: int, *, densities: Sequence[float] | np.nd
     return _finish(mode, out, cur, d, nb, (), None, True, dtype)
 
 
-def _tolerance(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool) -> CompressionPlan:
-    return plan_tolerance(d, global_ratio=cfg.global_ratio, levels=cfg.levels, current=current,
+def _tolerance(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool,
+               room: float | None = None) -> CompressionPlan:
+    if room is not None and room > L.ratio(cfg.levels[0], cfg.dtype):
+        return plan_roomy(d, room=room, levels=cfg.levels, current=current, partial_last=partial_last,
+                          dtype=cfg.dtype, weights=cfg.weights)
+    ratio = cfg.global_ratio if room is None else max(cfg.global_ratio, room)
+    return plan_tolerance(d, global_ratio=ratio, levels=cfg.levels, current=current,
                           partial_last=partial_last, dtype=cfg.dtype, weights=cfg.weights)
 
 
-def _static(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool) -> CompressionPlan:
+def _static(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool,
+            room: float | None = None) -> CompressionPlan:
     return plan_static(cfg.static_level, len(d), densities=d, current=current,
                        partial_last=partial_last, dtype=cfg.dtype)
 
 
-def _none(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool) -> CompressionPlan:
+def _none(cfg: CompressionConfig, d: np.ndarray, current, partial_last: bool,
+          room: float | None = None) -> CompressionPlan:
     return plan_static("raw", len(d), densities=d, current=current, partial_last=partial_last,
                        dtype=cfg.dtype, mode="none")
 
 
-#: compression mode name -> planner (config, densities, current levels, partial_last) -> plan
-MODES: dict[str, Callable[[CompressionConfig, np.ndarray, Sequence[str | None] | None, bool],
+#: compression mode name -> planner (config, densities, current levels, partial_last, room) -> plan;
+#: only tolerance mode reads ``room`` (the baselines keep their one level whatever memory allows)
+MODES: dict[str, Callable[[CompressionConfig, np.ndarray, Sequence[str | None] | None, bool, float | None],
                           CompressionPlan]] = {
     "tolerance": _tolerance,
     "static": _static,
@@ -315,15 +358,22 @@ class CompressionPlanner:
 
     def plan(self, densities: Sequence[float] | np.ndarray,
              current: Sequence[str | None] | None = None, *,
-             partial_last: bool = False, pinned: Collection[int] = ()) -> CompressionPlan:
+             partial_last: bool = False, pinned: Collection[int] = (),
+             room: float | None = None) -> CompressionPlan:
         """Plan levels for one context's chunks (see :func:`plan_tolerance` / :func:`plan_static`).
+
+        ``room``: the mean ratio memory allows now (the pool against the raw bytes of what is in it,
+        the caller's measure of pressure); ``None`` plans at the configured ratio. In tolerance mode
+        the plan's bound is the larger of the two: at ``room >= ratio(raw)`` (no pressure) nothing is
+        lowered, above ``q8``'s ratio :func:`plan_roomy` keeps the densest chunks raw, below it
+        :func:`plan_tolerance` plans at ``room``, down to the configured ratio as pressure rises.
 
         ``pinned``: indices of chunks pinned exact. They stay ``raw`` whatever the mode, outside the
         ranking and the budget (as a partial last chunk is); their current level must be ``raw``, since
         a lowered chunk only comes back by recompute (the caller's to arrange)."""
         d = _as_densities(densities)
         if not pinned:
-            return self._fn(self.config, d, current, partial_last)
+            return self._fn(self.config, d, current, partial_last, room)
         n = len(d)
         cur = _as_current(current, n)
         pins = set(pinned)
@@ -335,7 +385,7 @@ class CompressionPlanner:
         keep = [i for i in range(n) if i not in pins]
         if not keep:
             return CompressionPlan(tuple(cur), (), (), 0.0, 0.0, None, True, 0, self.config.mode)
-        sub = self._fn(self.config, d[keep], [cur[i] for i in keep], partial_last and keep[-1] == n - 1)
+        sub = self._fn(self.config, d[keep], [cur[i] for i in keep], partial_last and keep[-1] == n - 1, room)
         levels = list(cur)
         for k, i in enumerate(keep):
             levels[i] = sub.levels[k]

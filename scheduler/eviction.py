@@ -173,6 +173,10 @@ class EvictionQueue:
         locked = sum(self._contexts[c].nbytes for c in self._locks if c in self._contexts)
         return self._bytes - locked
 
+    def contexts(self) -> list[ContextId]:
+        """Contexts with at least one tracked chunk (the set eviction chooses from, locked or not)."""
+        return list(self._contexts)
+
     def chunks_of(self, ctx: str) -> list[ChunkKey]:
         """Tracked chunk keys of ``ctx`` in chunk order."""
         e = self._contexts.get(ContextId(ctx))

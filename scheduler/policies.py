@@ -15,8 +15,8 @@ name                  behaviour
 ``swap``              swap whole contexts to disk, lossless, on demand; read back whole
 ``vllm-s``            16-token chunks swapped lossless, chunk LRU, swap-out on demand
 ``vllm-sq``           as ``vllm-s``, every chunk q8 (the paper's SmoothQuant INT8)
-``llms``              tolerance-aware q8/q4/q2 at the global ratio, LCTRU, ahead-of-time
-                      swap-out, IO + recompute pipeline
+``llms``              raw while the pool holds it, then tolerance-aware q8/q4/q2 down to the
+                      global ratio; LCTRU, ahead-of-time swap-out, IO + recompute pipeline
 ``llms-no-compress``  ``llms`` with every chunk q8 (compression off = the 8-bit default LLMS
                       starts from, §4: KV is stored INT8 by default)
 ``llms-no-lctru``     ``llms`` with chunk LRU eviction

@@ -82,15 +82,17 @@ def check_books(gov: MemoryGovernor, policy) -> None:
                 assert ch.handle.level == ch.level and ch.nbytes == nbytes(ch.level)
 
 
+@pytest.mark.parametrize("raw_chunk_bytes", [0, RAW], ids=["configured-ratio", "pressure-aware"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_invariants_hold_over_a_random_trace(policy, tmp_path):
+def test_invariants_hold_over_a_random_trace(policy, raw_chunk_bytes, tmp_path):
     pol = POLICIES[policy]
     rng = random.Random(policy)
     reg = Registry(str(tmp_path / "registry.db"))
     io = FakeIO()
     released: list[Handle] = []
     budget = 40 * RAW // 4  # about 40 chunks at q8
-    gov = MemoryGovernor(reg, io, GovernorConfig(pool_bytes=budget, chunk_tokens=CHUNK, policy=policy),
+    gov = MemoryGovernor(reg, io, GovernorConfig(pool_bytes=budget, chunk_tokens=CHUNK, policy=policy,
+                                                 raw_chunk_bytes=raw_chunk_bytes),
                          clock=Clock(), release=released.append)
     reg.create_app("app")
     ctxs = [gov.new_ctx("app", "", np.zeros(0, np.int64), "", "{}") for _ in range(6)]
@@ -129,4 +131,39 @@ def test_invariants_hold_over_a_random_trace(policy, tmp_path):
     assert gov.stats["evictions"] > 0, "the trace never filled the pool"
     if pol.on_pressure == "swap":
         assert io.writes > 0
+    reg.close()
+
+
+def test_chunks_stay_raw_while_the_contexts_in_the_pool_fit_at_raw(tmp_path):
+    """Pressure: the raw bytes of the contexts in the pool against the pool. Under it nothing is
+    lowered; as contexts join, the planner lowers chunks, never below the configured ratio."""
+    reg = Registry(str(tmp_path / "registry.db"))
+    gov = MemoryGovernor(reg, FakeIO(), GovernorConfig(pool_bytes=8 * RAW, chunk_tokens=CHUNK, policy="llms",
+                                                       raw_chunk_bytes=RAW), clock=Clock())
+    reg.create_app("app")
+    ctxs = [gov.new_ctx("app", "", np.zeros(0, np.int64), "", "{}") for _ in range(4)]
+    rng = random.Random(0)
+
+    def call(ctx, tokens):
+        gov.begin_call(ctx, "app")
+        n = tokens // CHUNK
+        reply = gov.commit_call(ctx, list(range(tokens)), "x", "{}", b"", tokens,
+                                np.array([rng.random() for _ in range(n)]), 0)
+        gov.admit(ctx, [(i, lv, Handle(ctx, i, lv), nbytes(lv)) for i, lv in sorted(reply.todo.items())],
+                  {i: i * CHUNK for i in reply.todo})
+        return [gov.books[ctx].chunks[i].level for i in range(n)]
+
+    assert gov.room(ctxs[0]) is None  # no chunks yet: nothing to weigh
+    assert call(ctxs[0], 8 * CHUNK) == ["raw"] * 8  # 8 raw chunks fill the pool exactly: no pressure
+    assert gov.room(ctxs[0]) == 4.0
+    second = call(ctxs[1], 8 * CHUNK)  # 16 chunks at raw in a pool of 8: the mean ratio may be 2
+    assert set(second) == {"raw", "q8"} and sum(BITS[lv] for lv in second) / 8 / len(second) <= 2.0
+    for c in ctxs[2:]:
+        levels = call(c, 16 * CHUNK)
+        assert sum(BITS[lv] for lv in levels) / 8 / len(levels) <= max(gov.room(c), 0.5) + 1e-9
+    # the contexts in the pool now (the others left it for disk) and the one being called weigh in
+    n = {c: len(gov.books[c].chunks) for c in ctxs}
+    in_pool = set(gov.queue.contexts())
+    assert gov.room(ctxs[0]) == 4.0 * 8 / sum(n[c] for c in in_pool | {ctxs[0]})
+    assert gov.room(ctxs[3]) <= 2.0  # a 16-chunk context alone is twice the pool at raw
     reg.close()

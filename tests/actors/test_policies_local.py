@@ -181,6 +181,36 @@ def test_lossless_policies_match_unconstrained(policy, small_engine, texts, refe
     svc.close()
 
 
+def test_llms_stays_lossless_while_memory_allows_across_a_restart(small_engine, texts, tmp_path):
+    """Under the default policy a context that fits the pool at raw is never lowered (in memory or on
+    disk): a conversation restarted between turns answers as one never restarted."""
+    system = "You are a concise assistant."
+    first = "Summarise in one line: " + " ".join(texts[:3])
+    second = "Is the text above about a place? Answer yes or no, then explain."
+    ref_ctx = small_engine.new_ctx(system)
+    want = [small_engine.call(ref_ctx, p, max_tokens=12).token_ids for p in (first, second)]
+    length = ref_ctx.cache.length
+    small_engine.delete_ctx(ref_ctx)
+    assert 250 <= length <= 400
+
+    config = ServiceConfig(data_dir=str(tmp_path / "svc"), pool_bytes=64 << 20, max_context_tokens=512,
+                           profile=PROFILE)
+    assert config.policy == "llms"
+    svc = wire_local(config, engine=small_engine)
+    tok = svc.bind("app")
+    ctx = svc.new_ctx(tok, system)
+    got = [svc.call(tok, ctx, first, max_tokens=12).token_ids]
+    svc.close()
+    svc = wire_local(config, engine=small_engine)  # a restart: nothing resident, chunks read from disk
+    out = svc.call(tok, ctx, second, max_tokens=12)
+    got.append(out.token_ids)
+    assert out.restore.loaded > 0
+    assert got == want
+    rows = svc.parts.registry.chunks(ctx)
+    assert rows and {r.level for r in rows} == {"raw"}
+    svc.close()
+
+
 def nll(model, cache, ids):
     logits = model.forward(cache, ids, all_logits=True)
     lp = torch.log_softmax(logits[:-1].float(), dim=-1)

@@ -3,13 +3,15 @@ restart, the fault primitive, and the swap-recompute pipeline overlapping IO wit
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import ray
 
-from actors.service import ServiceConfig
-from engine.config import EngineConfig
+from actors.service import ServiceConfig, components
+from engine.config import EngineConfig, ModelConfig
 from engine.context import ContextEngine
 from scheduler.pipeline import CostProfile
 from tests.conftest import restart_ray
@@ -42,7 +44,7 @@ def start(tmp, policy, prefix, **kw):
     return wire_ray(cfg, prefix=prefix)
 
 
-def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster, reference, tmp_path):
+def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster, reference, resolved_model, tmp_path):
     svc = start(tmp_path, "vllm-s", "t-lossless", pool_bytes=3 << 20)  # about 1 of 4 contexts raw
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
@@ -56,10 +58,9 @@ def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster,
     assert all(o.switch_ms > 0 for o in outs)
     # both wirings build their components from the same function: the governor actor got what the
     # in-process wiring gives the governor for the same configuration and model (30 layers, float32)
-    from actors.service import components
-
     got = ray.get(svc.parts.gov.components.remote())
-    want = components(svc.config, 30, "float32")
+    model_cfg = ModelConfig.from_hf(json.loads((Path(resolved_model.directory) / "config.json").read_text()))
+    want = components(svc.config, model_cfg, "float32")
     assert (got.governor, got.registry, got.store) == (want.governor, want.registry, want.store)
     assert got.governor.pipeline_groups == 5 and got.governor.dtype == "float32"
     svc.close()

@@ -261,3 +261,48 @@ def test_a_pinned_chunk_must_be_raw_and_one_of_the_chunks():
         planner.plan([0.1, 0.2], current=["q4", None], pinned=[0])
     with pytest.raises(ValueError, match="not one of"):
         planner.plan([0.1, 0.2], pinned=[2])
+
+
+def test_room_plans_nothing_lower_while_memory_holds_everything_raw():
+    planner = CompressionPlanner()
+    d = [0.9, 0.01, 0.5, 0.02, 0.3, 0.7]
+    for room in (4.0, 9.5):  # float32 raw is 32 bits: ratio 4
+        plan = planner.plan(d, room=room)
+        assert plan.levels == ("raw",) * 6 and plan.changed == ()
+        # ... and never raises a level: lowered chunks stay where they are
+        assert planner.plan(d, ["q4", None, "q8", None, None, "q2"], room=room).levels == (
+            "q4", "raw", "q8", "raw", "raw", "q2")
+    # the baselines keep their one level whatever memory allows
+    sq = CompressionPlanner(CompressionConfig(mode="static", static_level="q8"))
+    assert sq.plan(d, room=4.0).levels == ("q8",) * 6
+
+
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=24), st.floats(1.0, 4.0, exclude_min=True))
+@settings(max_examples=200, deadline=None)
+def test_room_between_q8_and_raw_keeps_the_densest_raw_within_the_bound(d, room):
+    plan = CompressionPlanner().plan(d, room=room)
+    assert set(plan.levels) <= {"raw", "q8"} and plan.mean_ratio <= room + 1e-9
+    raw = [i for i, lv in enumerate(plan.levels) if lv == "raw"]
+    q8 = [i for i, lv in enumerate(plan.levels) if lv == "q8"]
+    # as many raw as fit (each raw chunk costs 3 more than a q8 one), and the densest of them
+    assert len(raw) == int((room - 1.0) * len(d) / 3.0 + 1e-9)
+    assert all(d[i] >= d[j] for i in raw for j in q8)
+
+
+def test_rising_pressure_lowers_the_least_dense_first_down_to_the_configured_ratio():
+    planner = CompressionPlanner()  # configured ratio 0.5
+    d = np.array([0.9, 0.01, 0.5, 0.02, 0.3, 0.7, 0.05, 0.4])
+    means, plans = [], []
+    for room in (4.0, 2.5, 1.0, 0.75, 0.5, 0.3, 0.1):
+        p = planner.plan(d, room=room)
+        means.append(p.mean_ratio)
+        plans.append(p)
+        assert p.mean_ratio <= max(room, 0.5) + 1e-9
+    assert means == sorted(means, reverse=True) and means[0] == 4.0
+    # at or past full pressure the plan is the configured one
+    assert plans[-1] == plans[-2] == planner.plan(d)
+    # between q8 and the configured ratio: the tolerance enumeration at that bound
+    assert plans[3] == plan_tolerance(d, global_ratio=0.75)
+    # the least dense chunk is never heavier than the densest
+    for p in plans:
+        assert BITS[p.levels[1]] <= BITS[p.levels[0]]
