@@ -50,6 +50,14 @@ class DiskCapExceededError(StorageError):
     code = "disk_cap_exceeded"
 
 
+class DiskFullError(StorageError):
+    """The file system under the data directory has no room left (ENOSPC) or its quota is spent
+    (EDQUOT), met by a chunk write or a registry transaction (SQLite's "database or disk is full").
+    The write that met it changed nothing already stored; it succeeds again once space is freed."""
+
+    code = "disk_full"
+
+
 class PathConfinementError(StorageError):
     """A path would leave the store root, or a symlink was found where a file or folder must be."""
 

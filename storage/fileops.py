@@ -11,6 +11,7 @@ path-based POSIX I/O that never follows a symlink in the last path component.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 
@@ -18,6 +19,9 @@ from collections.abc import Sequence
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 #: flags for creating a new temporary file; O_EXCL never reuses (or follows) an existing name
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+#: errno values that say the file system has no room for a write: no space left, quota spent
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class FileOps:

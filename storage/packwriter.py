@@ -13,22 +13,27 @@ longer decide anything are removed and the context may be compacted (:mod:`stora
 
 Capacity: a write that would leave usage above ``disk_cap_bytes`` (counting the packs it makes
 removable) raises DiskCapExceededError before anything is written; the bytes of a temporary count
-from before it is created until the rename settles them or a failure takes them back.
+from before it is created until the rename settles them or a failure takes them back. A write or
+deletion marker that meets a full file system (ENOSPC, EDQUOT) raises DiskFullError: its temporary
+is removed and the records current before it stay current. Deleting a context writes nothing, so it
+works on a full file system (it is how space comes back); compaction, which writes before it frees,
+is skipped there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from storage import chunkformat as fmt
 from storage import compaction
 from storage.codecs import EncodedChunk
-from storage.errors import CorruptChunkError, DiskCapExceededError
-from storage.fileops import CREATE_FLAGS
+from storage.errors import CorruptChunkError, DiskCapExceededError, DiskFullError
+from storage.fileops import CREATE_FLAGS, NO_SPACE
 from storage.packindex import (LEGACY_RE, MAX_GEN, PACK_RE, TMP_RE, ChunkMeta, ContextPacks, Pack,
                                PackIndex, Record, aligned, check_context_key, check_index, file_name,
                                layout, pack_name)
@@ -43,6 +48,18 @@ def _runs(indices: list[int]) -> list[list[int]]:
         else:
             out.append([i])
     return out
+
+
+@contextlib.contextmanager
+def _disk_full(what: str) -> Iterator[None]:
+    """Raise DiskFullError for an OSError that says the file system has no room (NO_SPACE)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        raise DiskFullError(f"the chunk store's file system is full ({os.strerror(e.errno)}) while "
+                            f"{what}; free space (delete contexts) and retry") from e
 
 
 class PackWriter:
@@ -70,7 +87,7 @@ class PackWriter:
             by_index[index] = (enc, int(token_start))
         metas: dict[int, ChunkMeta] = {}
         pack_bytes = self.index.config.pack_bytes
-        with self.lock:
+        with self.lock, _disk_full(f"writing chunks of context {key}"):
             with self.index.lock:
                 c = self.index.context(key, create=True)
             for run in _runs(sorted(by_index)):
@@ -91,7 +108,7 @@ class PackWriter:
         records is deleted by an empty deletion marker that decides it (one fsynced empty file),
         so the record does not come back after a restart."""
         index = check_index(index)
-        with self.lock:
+        with self.lock, _disk_full(f"deleting chunk {index} of context {key}"):
             with self.index.lock:
                 c = self.index.context(check_context_key(key))
                 if c is None or index not in c.live:
@@ -227,5 +244,13 @@ class PackWriter:
                    if p.live and p.damage is None and all(lo <= i <= hi for i in p.live))
 
     def _maybe_compact(self, c: ContextPacks) -> None:
-        if compaction.maybe_compact(self, c):
+        """Compact ``c`` if it needs it. On a full file system compaction waits for a later write
+        (what it wrote so far is current and consistent); the write or delete before it stands."""
+        try:
+            compacted = compaction.maybe_compact(self, c)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            return
+        if compacted:
             self.compactions += 1

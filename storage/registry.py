@@ -9,7 +9,9 @@ of the process (and of the machine), and reopening after a crash gives the state
 committed transaction (one exception: eviction rows a restart discards anyway, written by
 :meth:`Registry.upsert_chunks` with ``durable=False``). Every public method is one transaction
 (``BEGIN IMMEDIATE`` ... ``COMMIT``); ``with registry.transaction():`` groups several into one,
-all-or-nothing.
+all-or-nothing. A transaction that finds the disk full (SQLite's ``SQLITE_FULL``, "database or disk
+is full") is rolled back and raises DiskFullError; the connection is left with no transaction open,
+so the next one works as soon as there is room again.
 
 Tables::
 
@@ -43,9 +45,9 @@ import numpy as np
 
 from storage.chunkstore import ChunkStore
 from storage.codecs import codec
-from storage.errors import (AppExistsError, ChunkNotFoundError, ContextLimitError, InvalidKeyError,
-                            RegistryError, StorageError, UnknownAppError, UnknownChunkError,
-                            UnknownContextError)
+from storage.errors import (AppExistsError, ChunkNotFoundError, ContextLimitError, DiskFullError,
+                            InvalidKeyError, RegistryError, StorageError, UnknownAppError,
+                            UnknownChunkError, UnknownContextError)
 
 SCHEMA_VERSION = 2
 _SCHEMA = """
@@ -194,6 +196,24 @@ def _tokens(blob: bytes) -> np.ndarray:
     return np.frombuffer(blob, "<i4")
 
 
+SQLITE_FULL = 13
+"""SQLite's primary result code for "database or disk is full": a write met ENOSPC, or the database
+reached ``max_page_count`` (``sqlite3.SQLITE_FULL``)."""
+
+
+@contextlib.contextmanager
+def _disk_full() -> Iterator[None]:
+    """Raise DiskFullError for a SQLite error whose (primary) result code is SQLITE_FULL."""
+    try:
+        yield
+    except sqlite3.Error as e:
+        code = getattr(e, "sqlite_errorcode", None)  # extended code; None when not raised by SQLite
+        if not (code & 0xFF == SQLITE_FULL if code is not None else "disk is full" in str(e)):
+            raise
+        raise DiskFullError(f"the registry's file system is full (SQLite: {e}); the transaction was "
+                            "rolled back; free space (delete contexts) and retry") from e
+
+
 class Registry:
     """Apps, contexts and chunk rows in one SQLite file. Thread-safe (one connection, one lock)."""
 
@@ -252,20 +272,28 @@ class Registry:
             if not durable:
                 self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._depth = 1
-                try:
-                    yield
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                else:
-                    self._db.execute("COMMIT")
-                finally:
-                    self._depth = 0
+                with _disk_full():
+                    self._db.execute("BEGIN IMMEDIATE")
+                    self._depth = 1
+                    try:
+                        yield
+                        self._db.execute("COMMIT")
+                    except BaseException:
+                        self._rollback()
+                        raise
+                    finally:
+                        self._depth = 0
             finally:
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")
+
+    def _rollback(self) -> None:
+        """End a failed transaction. SQLite has already rolled back the whole transaction after some
+        errors (SQLITE_FULL, in a statement or at COMMIT), and a second ROLLBACK would hide the error;
+        one that fails leaves nothing better to do than to report the first error."""
+        if self._db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
 
     def _q(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         return self._db.execute(sql, args)
