@@ -1,6 +1,7 @@
-"""The bodies of the service's Ray actors: the memory governor, the KV swap/IO worker and the model
-executor (the recompute worker's is `actors.recompute.RecomputeWorker`), each a thin shell around the
-plain class of its role, plus the restorer the executor uses on Ray.
+"""The bodies of the service's Ray actors: the memory governor, the KV swap/IO worker, the recompute
+worker and the model executor, each a thin shell around the plain class of its role (the recompute
+worker's, `actors.recompute.RecomputeWorker`, only gains the probe), plus the restorer the executor uses
+on Ray.
 
 - governor and IO worker request no CPU; executor and recompute worker one each, with one torch thread
   each, so torch threads add up to at most 2 on a 2-core node;
@@ -11,7 +12,9 @@ plain class of its role, plus the restorer the executor uses on Ray.
 - resident chunks are `EncodedChunk`s in the object store: the executor puts them, the governor holds
   the refs and the budget, the IO worker writes them to disk ahead of time;
 - every actor restarts on failure and rebuilds its state from the registry and the chunk files; an
-  interrupted call fails with an error, never with a wrong answer.
+  interrupted call fails with an error, never with a wrong answer;
+- every actor answers `alive` on a thread of its own (the `health` concurrency group), so a readiness
+  probe is answered while a long call holds the actor's one working thread.
 
 The actors reach each other through the typed stubs of `actors.ray_stubs`. What this module
 deliberately does not know: policies (the governor's), the model's internals (the engine's), the
@@ -36,7 +39,7 @@ from actors.config import ServiceConfig, private_files
 from actors.service import Components
 from actors.messages import PoolRef, RestoreRequest, WithReleases
 from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
-from actors.recompute import shared_working_set, working_set_nbytes
+from actors.recompute import RecomputeWorker, shared_working_set, working_set_nbytes
 from actors.restore import restore
 from actors.swapio import ChunkBatch, KVSwapIO, layer_groups, unstaged
 from engine.threads import single_threaded_torch
@@ -48,6 +51,22 @@ RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 """Pause before a restarted actor starts again, by its restarts in the last `RESTART_WINDOW_S`: a
 crash-looping actor slows down instead of spinning, one that failed once comes straight back."""
 RESTART_WINDOW_S = 60.0
+
+HEALTH_GROUPS = {"health": 1}
+"""The concurrency groups every actor of the service is made with (`ray.remote(concurrency_groups=...)`):
+besides the default group, where the actor's work runs one call at a time, a `health` group with a
+thread of its own for `Health.alive`. Calls still run in the order they were sent (max_concurrency
+stays 1, so Ray keeps an actor's calls in order); only the probe overtakes them."""
+
+
+class Health:
+    """Mixed into every actor body: a probe that answers while a long call runs."""
+
+    @ray.method(concurrency_group="health")
+    def alive(self) -> bool:
+        """True, at once: the process is up and past its start (a restarting actor does not answer).
+        Runs in the `health` group (`HEALTH_GROUPS`), never queued behind a call."""
+        return True
 
 
 def restarted(role: str, data_dir: str, metrics) -> bool:
@@ -69,7 +88,7 @@ def restarted(role: str, data_dir: str, metrics) -> bool:
     return True
 
 
-class IOActor(KVSwapIO):
+class IOActor(KVSwapIO, Health):
     """The KV swap/IO worker actor: the plain worker plus its metrics (bytes and seconds each way)."""
 
     def __init__(self, root: str, fingerprint: str, config, data_dir: str, **kw) -> None:
@@ -95,7 +114,7 @@ class IOActor(KVSwapIO):
         freeze_startup_objects()  # no full collection walks Ray's and the store's objects mid-restore
 
 
-class GovernorActor:
+class GovernorActor(Health):
     """The memory governor actor: `MemoryGovernor` behind a lock (one method or one gauge publish at a
     time), its Prometheus gauges, and the `PoolRef` keys of the plans it sends the executor."""
 
@@ -221,6 +240,7 @@ class GovernorActor:
     def held_nbytes(self) -> int:
         return self.gov.pool_used
 
+
     def held_handles(self) -> list:
         """The resident chunks' handles (tests check that the executor holds a ref for each)."""
         with self._lock:
@@ -268,6 +288,10 @@ class GovernorActor:
             m.restore_error.labels(policy).set(err)
         for stage, f in g.online.state()["stages"].items():
             m.cost_factor.labels(policy, stage).set(f)
+
+
+class RecomputeActor(RecomputeWorker, Health):
+    """The recompute worker actor: the plain worker (`actors.recompute.RecomputeWorker`) and the probe."""
 
 
 class RayRestorer:
@@ -405,7 +429,7 @@ def per_ref_seconds(io_handle, n: int = 32) -> float:
     return statistics.median(runs)
 
 
-class ExecutorActor:
+class ExecutorActor(Health):
     def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
                  recompute_handle, io_handle, prefix: str, threads: int) -> None:
         import torch

@@ -5,15 +5,19 @@ conversation. `deploy.serve_app` wires these to the actors.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from storage.fileops import NO_SPACE
+
 # ---- errors ------------------------------------------------------------------------------------------
 
 STATUS: dict[str, int] = {
+    "invalid_json": 400,
     "unauthorized": 401,
     "forbidden": 403,
     "not_found": 404,
@@ -36,10 +40,14 @@ STATUS: dict[str, int] = {
     "not_enough_evictable": 503,
     "unavailable": 503,
     "internal": 500,
+    "disk_full": 507,
+    "disk_cap_exceeded": 507,
 }
 """HTTP status of every error code the API answers with."""
 
 RETRY_AFTER_S = {"overloaded": 1, "capacity": 2, "kv_pool_budget": 2, "not_enough_evictable": 2, "unavailable": 5}
+"""Seconds a client should wait before sending again, for errors that pass by themselves. Not for
+`disk_full`: space comes back when someone deletes contexts, not after a known time."""
 
 
 class APIError(Exception):
@@ -67,6 +75,19 @@ class APIError(Exception):
         return {"Retry-After": str(s)} if s else {}
 
 
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable error code; its HTTP status is fixed (README, Errors)")
+    message: str = Field(description="what went wrong, for people")
+    request_id: str | None = Field(None, description="only on 500: the id under which the server logged "
+                                                      "the traceback")
+
+
+class ErrorBody(BaseModel):
+    """What every error answers with (`APIError.body`), here for the OpenAPI document."""
+
+    error: ErrorDetail
+
+
 def from_exception(e: BaseException) -> APIError:
     """Map an exception raised by the service (typed, with a stable `code`) to an API error."""
     if isinstance(e, APIError):
@@ -80,6 +101,9 @@ def from_exception(e: BaseException) -> APIError:
         return APIError(code, str(e) or code)
     if isinstance(e, TimeoutError):
         return APIError("timeout", str(e) or "the request timed out")
+    if isinstance(e, OSError) and e.errno in NO_SPACE:  # a full disk met outside the storage layer
+        return APIError("disk_full", f"the data directory's file system is full ({os.strerror(e.errno)}); "
+                        "free space (delete contexts) and retry")
     return APIError("internal", f"internal error ({type(e).__name__})")
 
 

@@ -36,6 +36,7 @@ from actors.config import ServiceConfig, prepare_data_dir
 from actors.messages import CallOutcome
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
+from deploy.api_docs import ACTORS, APP, BODY, CALL, CONTEXT, SSE_CALL, SSE_CHAT, WRITES, responses, without_default_422
 from deploy.api_models import (
     APIError, BindBody, CallBody, ChatCompletionBody, NewContextBody, check_app_name, check_context_id,
     from_exception, reconcile, split_stateless,
@@ -43,6 +44,9 @@ from deploy.api_models import (
 
 
 log = logging.getLogger("ray.serve.llmaas")  # under Serve's logger: the replica's log file has it
+
+READY_TIMEOUT_S = 3.0
+"""How long `/readyz` waits for each actor's probe."""
 
 
 # ---- calling the actors from async code --------------------------------------------------------------
@@ -157,6 +161,8 @@ api = FastAPI(
                 "compressed, swapped and recomputed so that switching between them is fast.",
 )
 
+api.openapi = lambda: without_default_422(FastAPI.openapi(api))  # FastAPI caches the document; this is idempotent
+
 
 class _CountRequests:
     """ASGI middleware (outermost): `llmaas_requests_total{route, code}`, route as its template."""
@@ -193,8 +199,18 @@ async def _api_error(_request: Request, e: APIError):
 
 @api.exception_handler(RequestValidationError)
 async def _invalid(_request: Request, e: RequestValidationError):
+    """A body that is not JSON is 400 `invalid_json`; JSON that does not fit the route's model, 422
+    `invalid_request` naming the first field at fault."""
     errs = e.errors()
     first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        why = (first.get("ctx") or {}).get("error", "malformed")
+        loc = first.get("loc", ())
+        at = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+        return _error_response(APIError("invalid_json", f"the body is not valid JSON: {why}{at}"))
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
+        # a body sent with a content type other than JSON reaches validation as raw bytes
+        return _error_response(APIError("invalid_json", "send the body as JSON (Content-Type: application/json)"))
     where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     msg = first.get("msg", "invalid request")
     return _error_response(APIError("invalid_request", f"{where}: {msg}" if where else msg))
@@ -202,8 +218,10 @@ async def _invalid(_request: Request, e: RequestValidationError):
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(_request: Request, e: StarletteHTTPException):
-    code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
-        e.status_code, "invalid_request")
+    """Starlette's and FastAPI's own errors in the API's shape; FastAPI's 400 is a body it could not
+    parse (not UTF-8, say)."""
+    code = {400: "invalid_json", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+            413: "body_too_large"}.get(e.status_code, "invalid_request")
     return JSONResponse({"error": {"code": code, "message": str(e.detail)}}, status_code=e.status_code)
 
 
@@ -368,19 +386,31 @@ class Ingress:
 
     async def _events(self, timeout_s: float, method, *args, params: dict) -> AsyncIterator[str | dict]:
         """Text deltas of one call (the executor's `stream` or `stream_stateless`, with `args` and
-        `params` and a deadline), then its outcome (a dict). Holds a limiter slot throughout."""
+        `params` and a deadline), then its outcome (a dict). Holds a limiter slot throughout. Closed
+        before the outcome (the client went away: Serve cancels the request, whose cancellation
+        reaches the executor's call too, or the event stream is abandoned), it cancels the executor's
+        call itself, which stops at its next token and rolls the turn back."""
         deadline = time.time() + timeout_s
         await self.limiter.acquire(timeout_s)
+        gen, finished = None, False
         try:
             gen = method.remote(*args, dict(params, deadline=deadline))
             try:
                 async for ref in gen:
                     item = await ref
-                    yield asdict(item) if isinstance(item, CallOutcome) else item
+                    finished = isinstance(item, CallOutcome)
+                    yield asdict(item) if finished else item
             except Exception as e:  # noqa: BLE001
+                finished = True  # the call failed and is over
                 raise _typed(e) from None
         finally:
             self.limiter.release()
+            if gen is not None and not finished:
+                # dropping the generator would not stop the call; a sync actor's generator is closed
+                # (GeneratorExit at its next yield) on cancel. Not recursive: the governor, IO and
+                # recompute calls it is making finish, and its own abort path unlocks the context.
+                with contextlib.suppress(Exception):
+                    ray.cancel(gen, recursive=False)
 
     async def _first(self, events: AsyncIterator) -> tuple[list, AsyncIterator]:
         """Run a call up to its first item, so that errors before any output become HTTP errors."""
@@ -396,23 +426,34 @@ class Ingress:
     async def healthz(self):
         return {"status": "ok"}
 
-    @api.get("/readyz", tags=["health"])
+    @api.get("/readyz", tags=["health"], responses=responses("unavailable"))
     async def readyz(self):
-        try:
-            await asyncio.wait_for(self.gov.held_nbytes.remote(), 5)
-        except Exception:  # noqa: BLE001
-            return _error_response(APIError("unavailable", "the memory governor is not answering"))
+        """Ready when every actor of the service answers its probe within `READY_TIMEOUT_S`; the probe
+        runs on a thread of its own (`actors/ray_actors.py:Health`), so a long call does not delay it,
+        while a dead or restarting actor does not answer."""
+        roles = self.svc.parts.by_role()
+
+        async def probe(handle) -> None:
+            await handle.alive.remote()
+
+        got = await asyncio.gather(*(asyncio.wait_for(probe(h), READY_TIMEOUT_S) for h in roles.values()),
+                                   return_exceptions=True)
+        down = [role for role, r in zip(roles, got) if isinstance(r, BaseException)]
+        if down:
+            return _error_response(APIError("unavailable", f"not answering: {', '.join(down)}"))
         return {"status": "ready", "model": self.model_id}
 
     # ---- apps (admin) -------------------------------------------------------------------------------
-    @api.post("/v1/apps", status_code=201, tags=["apps"])
+    @api.post("/v1/apps", status_code=201, tags=["apps"],
+              responses=responses(*APP, *BODY, *ACTORS, *WRITES, "app_exists"))
     async def bind(self, body: BindBody, request: Request):
         self._is_admin(request)
         name = check_app_name(body.name)
         token = await self._do(self.gov.bind_app, name)
         return {"name": name, "token": token}
 
-    @api.delete("/v1/apps/{name}", tags=["apps"])
+    @api.delete("/v1/apps/{name}", tags=["apps"],
+                responses=responses(*APP, *ACTORS, *WRITES, "not_found", "invalid_request", "context_busy"))
     async def unbind(self, name: str, request: Request):
         self._is_admin(request)
         check_app_name(name)
@@ -428,26 +469,28 @@ class Ingress:
         return {"name": name, "deleted_contexts": len(ctxs)}
 
     # ---- contexts -----------------------------------------------------------------------------------
-    @api.post("/v1/contexts", status_code=201, tags=["contexts"])
+    @api.post("/v1/contexts", status_code=201, tags=["contexts"],
+              responses=responses(*APP, *BODY, *ACTORS, *WRITES, "context_limit", "prompt_too_long"))
     async def new_ctx(self, request: Request, body: NewContextBody | None = None):
         app = await self._app(request)
         system = body.system_prompt if body else None
         ctx = await self._do(self.executor.new_ctx, app, system)
         return await self._do(self.gov.describe, ctx, app)
 
-    @api.get("/v1/contexts", tags=["contexts"])
+    @api.get("/v1/contexts", tags=["contexts"], responses=responses(*APP, *ACTORS))
     async def list_ctx(self, request: Request):
         app = await self._app(request)
         rows = await self._do(self.gov.list_contexts, app)
         return {"contexts": [{"id": r.id, "tokens": r.n_tokens, "created": r.created, "last_used": r.last_used}
                              for r in rows]}
 
-    @api.get("/v1/contexts/{ctx}", tags=["contexts"])
+    @api.get("/v1/contexts/{ctx}", tags=["contexts"], responses=responses(*APP, *CONTEXT, *ACTORS))
     async def get_ctx(self, ctx: str, request: Request):
         app = await self._app(request)
         return await self._do(self.gov.describe, check_context_id(ctx), app)
 
-    @api.delete("/v1/contexts/{ctx}", tags=["contexts"])
+    @api.delete("/v1/contexts/{ctx}", tags=["contexts"],
+                responses=responses(*APP, *CONTEXT, *ACTORS, *WRITES, "context_busy"))
     async def delete_ctx(self, ctx: str, request: Request):
         app = await self._app(request)
         await self._delete(check_context_id(ctx), app)
@@ -456,7 +499,8 @@ class Ingress:
     async def _delete(self, ctx: str, app: str) -> None:
         await self._front(self.svc.remove_ctx, app, ctx)
 
-    @api.post("/v1/contexts/{ctx}/calls", tags=["contexts"])
+    @api.post("/v1/contexts/{ctx}/calls", tags=["contexts"],
+              responses=responses(*APP, *BODY, *CONTEXT, *ACTORS, *WRITES, *CALL, stream=SSE_CALL))
     async def call(self, ctx: str, body: CallBody, request: Request):
         app = await self._app(request)
         check_context_id(ctx)
@@ -469,13 +513,14 @@ class Ingress:
         return {"id": ctx, **_call_reply(await _outcome(head, events))}
 
     # ---- OpenAI compatibility -----------------------------------------------------------------------
-    @api.get("/v1/models", tags=["openai"])
+    @api.get("/v1/models", tags=["openai"], responses=responses(*APP, *ACTORS))
     async def models(self, request: Request):
         await self._app(request)
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
                                              "owned_by": "llmaas"}]}
 
-    @api.post("/v1/chat/completions", tags=["openai"])
+    @api.post("/v1/chat/completions", tags=["openai"], responses=responses(
+        *APP, *BODY, *CONTEXT, *ACTORS, *WRITES, *CALL, "conversation_conflict", stream=SSE_CHAT))
     async def chat_completions(self, body: ChatCompletionBody, request: Request):
         app = await self._app(request)
         params = body.params()

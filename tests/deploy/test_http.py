@@ -45,6 +45,9 @@ def test_health_and_schema(server):
     schema = requests.get(server.url + "/openapi.json").json()
     for path in ("/v1/apps", "/v1/contexts", "/v1/contexts/{ctx}/calls", "/v1/chat/completions", "/v1/models"):
         assert path in schema["paths"], path
+    # the served document is the one tests/deploy/test_api_docs.py checks: error statuses, event streams
+    call = schema["paths"]["/v1/contexts/{ctx}/calls"]["post"]["responses"]
+    assert {"400", "422", "429", "503"} <= set(call) and "text/event-stream" in call["200"]["content"]
 
 
 def test_conversation_equals_engine_and_survives_restart(server, app, reference):
@@ -106,7 +109,7 @@ def test_bad_input_gets_4xx_and_leaves_contexts_alone(server, app):
     url = f"{server.url}/v1/contexts/{ctx}/calls"
     hdr = {**h(app.token), "Content-Type": "application/json"}
     bad = {
-        b"{": 422,
+        b"{": 400,  # not JSON: invalid_json; the rest is JSON that does not validate: invalid_request
         b"[]": 422,
         b'{"prompt": 1}': 422,
         b'{"prompt": "x", "max_tokens": -1}': 422,
@@ -126,6 +129,8 @@ def test_bad_input_gets_4xx_and_leaves_contexts_alone(server, app):
         assert r.status_code == status, (body[:60], r.status_code, r.text)
         if len(body) > 64 * 1024:
             assert r.json()["error"]["code"] == "body_too_large"
+        if status in (400, 422):
+            assert r.json()["error"]["code"] == {400: "invalid_json", 422: "invalid_request"}[status]
         err = r.json()["error"]
         assert set(err) == {"code", "message"} and err["code"] and err["message"]
     # a body over the limit sent without a length (chunked) is cut off too

@@ -1,0 +1,157 @@
+"""Long calls over real HTTP (the session's Serve application): `/readyz` answers 200 while a call holds
+the model executor, and 503 while an actor restarts, then 200 again; a client that goes away in the
+middle of a call, streaming or not, stops it, and its turn is not committed.
+
+No timing bets: each test waits on a gate (the first streamed event, the context held by its call)
+and polls for the end state with a generous bound."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from urllib.parse import urlsplit
+
+import pytest
+import ray
+import requests
+
+from deploy.client import Client
+
+# a reply of hundreds of tokens: seconds of decoding on any machine, so the client leaves mid-call
+LONG = {"prompt": "Count from 1 to 300, writing every number in words, one per line.", "max_tokens": 600}
+
+
+@pytest.fixture(scope="module")
+def app(server):
+    return Client(server.url, Client(server.url, server.admin).bind("long-calls"))
+
+
+def busy(app: Client, ctx: str) -> bool:
+    return app.context(ctx)["busy"]
+
+
+def wait_until(predicate, what: str, bound_s: float = 180.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+def send(server, app: Client, path: str, body: dict) -> socket.socket:
+    """A POST written on a raw socket, so that the test decides when the connection goes away."""
+    url = urlsplit(server.url)
+    s = socket.create_connection((url.hostname, url.port), timeout=120)
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {app.token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+    s.sendall(head.encode() + data)
+    return s
+
+
+def read_until(s: socket.socket, marker: bytes) -> bytes:
+    got = b""
+    while marker not in got:
+        chunk = s.recv(4096)
+        assert chunk, f"the connection closed before {marker!r}: {got[-300:]!r}"
+        got += chunk
+    return got
+
+
+def test_ready_during_a_long_call_and_a_stream_left_midway_stops_uncommitted(server, app):
+    ctx = app.new_ctx("You are terse.")
+    before = app.context(ctx)
+    s = send(server, app, f"/v1/contexts/{ctx}/calls", {**LONG, "stream": True})
+    try:
+        head = read_until(s, b"data: {")  # the gate: the first event, so the executor is decoding
+        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head[:300]
+        # the executor's one working thread is in the call; its probe runs on a thread of its own
+        r = requests.get(server.url + "/readyz", timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+        assert busy(app, ctx), "the call ended before readiness was checked: the test checked nothing"
+    finally:
+        s.close()  # the client goes away mid-stream
+    wait_until(lambda: not busy(app, ctx), "the call to stop")
+    after = app.context(ctx)
+    assert after["turns"] == before["turns"] and after["tokens"] == before["tokens"]  # nothing committed
+    assert app.call(ctx, "Say hi.", max_tokens=4).usage["completion_tokens"] > 0  # not locked
+
+
+def test_a_client_that_leaves_a_call_without_stream_stops_it_uncommitted(server, app):
+    ctx = app.new_ctx("You are terse.")
+    before = app.context(ctx)
+    s = send(server, app, f"/v1/contexts/{ctx}/calls", LONG)
+    try:
+        wait_until(lambda: busy(app, ctx), "the call to hold its context")  # the gate: the call runs
+    finally:
+        s.close()  # the client goes away before the reply
+    wait_until(lambda: not busy(app, ctx), "the call to stop")
+    after = app.context(ctx)
+    assert after["turns"] == before["turns"] and after["tokens"] == before["tokens"]
+    assert app.call(ctx, "Say hi.", max_tokens=4).usage["completion_tokens"] > 0
+
+
+def test_readyz_is_503_while_an_actor_restarts_and_200_once_it_is_back(server, app):
+    """The recompute worker killed (as by the OOM killer): until Ray has restarted it (a new process
+    that loads the model), `/readyz` names it and answers 503; then 200, and calls work."""
+    from actors.ray_service import NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith("llmaas-") and a["name"].endswith("-recompute")]
+    assert names
+    for name in names:  # this replica's worker (and any left by an earlier replica)
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+    seen: list[requests.Response] = []
+
+    def ready(status: int) -> bool:
+        seen.append(requests.get(server.url + "/readyz", timeout=60))
+        return seen[-1].status_code == status
+
+    wait_until(lambda: ready(503), "readyz to see the dead worker")
+    err = seen[-1].json()["error"]
+    assert err["code"] == "unavailable" and "recompute worker" in err["message"]
+    assert seen[-1].headers.get("Retry-After")
+    wait_until(lambda: ready(200), "the worker to come back")
+    ctx = app.new_ctx()
+    assert app.call(ctx, "Say hi.", max_tokens=4).usage["completion_tokens"] > 0
+
+
+def test_a_call_closed_before_its_outcome_is_cancelled_at_the_actor(ray_cluster):
+    """Without Serve's own cancellation: the ingress's event generator (`Ingress._events`) closed after
+    the first delta cancels the actor's streaming call, whose generator is then closed at its next
+    yield (dropping the generator alone would let it run on)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deploy.serve_app import Ingress, _Limiter
+
+    @ray.remote
+    class Talker:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def stream(self, params: dict):
+            try:
+                for i in range(3000):  # 30 s if nothing stops it
+                    time.sleep(0.01)
+                    yield str(i)
+            except GeneratorExit:
+                self.closed = True
+                raise
+
+        def was_closed(self) -> bool:  # queued behind `stream`: answers once the call has ended
+            return self.closed
+
+    talker = Talker.remote()
+    ingress = SimpleNamespace(limiter=_Limiter(1, 1))
+
+    async def leave_after_the_first_delta() -> str:
+        events = Ingress.func_or_class._events(ingress, 60.0, talker.stream, params={})
+        first = await events.__anext__()
+        await events.aclose()
+        return first
+
+    assert asyncio.run(leave_after_the_first_delta()) == "0"
+    assert ray.get(talker.was_closed.remote(), timeout=120)
+    assert not ingress.limiter.sem.locked()  # the slot was given back
+    ray.kill(talker)
