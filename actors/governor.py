@@ -9,6 +9,10 @@ them. It never touches K/V data: a resident chunk is an opaque *handle* given by
 files are written by the KV swap/IO worker, which the governor is handed as `io` (a
 `actors.ports.SwapIOPort`).
 
+Writes ahead of time (`admit`) are started and not waited for: the next call's plan does not wait for
+the previous call's fsyncs. A chunk whose write is in flight is waited for only when it must leave the
+pool or its file is void (eviction, a new version, deletion); `reap` applies finished writes.
+
 Invariants:
 - the bytes of resident handles the governor holds never exceed the pool budget after `admit`;
 - a chunk of a locked context (one a call is using) is never evicted;
@@ -21,21 +25,24 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from actors.books import Chunk, CtxBook
 from actors.messages import CallPlan, CommitReply
+from actors.writeback import Write, WritesInFlight
 from scheduler import levels as L
 from scheduler.compression import CompressionPlanner
 from scheduler.errors import CapacityError
 from scheduler.eviction import EvictionQueue
 from scheduler.pipeline import CostProfile, MissingChunk, OnlineCosts, RestoreLog, pipeline_delay, plan_restore, restore_shape
 from scheduler.policies import PolicySet, get_policy
-from storage.registry import ChunkRow, ChunkState, Registry
+from storage.registry import Registry
 
 
 @dataclass(slots=True)
@@ -57,39 +64,6 @@ class GovernorConfig:
     fit at raw, nothing is lowered. 0: unknown, every plan at the policy's configured ratio."""
 
 
-@dataclass(slots=True)
-class Chunk:
-    """The governor's row for one chunk of one context."""
-
-    level: str
-    """Level of the resident handle or, when not resident, of the file."""
-    handle: Any = None
-    """Resident copy (opaque), or None."""
-    nbytes: int = 0
-    """Bytes of the resident copy as stored (0 when not resident)."""
-    file: str | None = None
-    """Chunk file name when a valid file holds this chunk's current content."""
-    file_nbytes: int = 0
-    """Size of that file in bytes."""
-    checksum: str | None = None
-    density: float = 0.0
-    """Information density (LLMS Eq. 1)."""
-    pinned_exact: bool = False
-    """Never lowered below raw by any policy (`pin_exact`)."""
-
-
-@dataclass(slots=True)
-class CtxBook:
-    app: str
-    kv_tokens: int = 0
-    """Tokens of the context that have chunks (K/V computed at least once)."""
-    chunks: dict[int, Chunk] = field(default_factory=dict)
-    version: int = 0
-    """Names the context's saved token ids and state: a new number at every commit (see `begin_call`)."""
-    request_id: str | None = None
-    """The request id of the last committed call: a call retried with it appends nothing."""
-
-
 class ContextBusyError(RuntimeError):
     code = "context_busy"
 
@@ -104,13 +78,17 @@ class MemoryGovernor:
         profile: CostProfile | None = None,
         clock: Callable[[], float] = time.monotonic,
         release: Callable[[Any], None] | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
+        """`wake` is called, from any thread, when a write ahead of time finishes: an actor calls
+        `reap` then, so that the registry follows without waiting for the next call."""
         self.cfg = config or GovernorConfig()
         self.policy: PolicySet = get_policy(self.cfg.policy)
         self.registry = registry
         self.io = io
         self.clock = clock
         self.release = release or (lambda handle: None)
+        self.wake = wake
         self.queue = EvictionQueue(self.policy.eviction_strategy())
         self.planner = CompressionPlanner(self.policy.compression_config(self.cfg.dtype))
         self.profile = profile or CostProfile.fit([(1, 0.01), (100, 1.0)], [(1 << 20, 0.001), (100 << 20, 0.1)])
@@ -124,8 +102,9 @@ class MemoryGovernor:
         self.online = OnlineCosts()
         self._pending: dict[str, tuple[str, dict[str, float], float, float, float]] = {}  # ctx -> planned restore
         self._unsaved: dict[str, set[int]] = {}  # ctx -> chunks evicted in a switch, rows not yet written
+        self.writes = WritesInFlight()  # writes ahead of time started by `admit`, not yet applied
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "evictions": 0, "recomputed_chunks": 0,
-                      "fault_recomputes": 0, "killed_contexts": 0, "interrupted_calls": 0}
+                      "fault_recomputes": 0, "killed_contexts": 0, "interrupted_calls": 0, "failed_writes": 0}
         self._rebuild()
 
     # ---- start-up --------------------------------------------------------------------------------
@@ -154,6 +133,7 @@ class MemoryGovernor:
         books from the registry, as after this governor's own restart: chunks on disk are read again,
         the rest recomputed from their token ids. Returns the number of calls that were in flight."""
         in_flight = len(self.locked)
+        self.drain()  # what was written is on disk: keep it (writes of the dead process's objects fail)
         for handle in self.held_handles():
             self.release(handle)
         self.locked.clear()
@@ -197,6 +177,7 @@ class MemoryGovernor:
         if ctx in self.locked:
             raise ContextBusyError("context is in use by a call")
         self.registry.get_context(ctx, app)  # refused before a file is touched
+        self._settle(ctx)
         self.io.delete_context(ctx)
         book = self.books.get(ctx)
         for ch in book.chunks.values() if book is not None else ():
@@ -216,6 +197,7 @@ class MemoryGovernor:
             raise ContextBusyError("context is in use by a call")
         book = self.books[ctx]
         indices = sorted(set(indices))
+        self._settle(ctx, indices)
         for i in indices:
             if i not in book.chunks:
                 raise ValueError(f"context {ctx} has no chunk {i} yet (pin after the call that computes it)")
@@ -224,7 +206,7 @@ class MemoryGovernor:
             if ch.level != "raw":
                 self._drop_resident(ctx, i, ch)
                 if ch.file:
-                    self.io.delete(ctx, i)
+                    self._delete_file(ctx, i)
                 ch.level, ch.file, ch.file_nbytes, ch.checksum = "raw", None, 0, None
             ch.pinned_exact = True
         self._persist_rows(ctx, book, indices)
@@ -270,6 +252,7 @@ class MemoryGovernor:
         row = None if reuse else self.registry.get_context(ctx, app)
         if ctx in self.locked:
             raise ContextBusyError("context is in use by another call")
+        self.reap()
         book = self.books[ctx]
         self.locked.add(ctx)
         self.queue.lock(ctx)
@@ -395,12 +378,16 @@ class MemoryGovernor:
         book.request_id = request_id
         n_chunks = -(-kv_tokens // self.cfg.chunk_tokens)
         stale = [i for i in book.chunks if i >= first_modified or i >= n_chunks]
+        self._settle(ctx, stale)
+        void = []
         for i in stale:  # their content changed: old resident copies and files are void
             ch = book.chunks.pop(i)
             self._drop_resident(ctx, i, ch)
             if ch.file:
-                self.io.delete(ctx, i)
+                void.append(i)
         book.kv_tokens = kv_tokens
+        for i in void:  # after the books: a failed delete leaves a stale record, never stale books
+            self._delete_file(ctx, i)
         partial = kv_tokens % self.cfg.chunk_tokens != 0
         current = [book.chunks[i].level if i in book.chunks else None for i in range(n_chunks)]
         pinned = [i for i in range(n_chunks) if i in book.chunks and book.chunks[i].pinned_exact]
@@ -434,19 +421,24 @@ class MemoryGovernor:
         to stay within budget, writes ahead of time when the policy says so, then unlocks `ctx`."""
         book = self.books[ctx]
         try:
+            self.reap()
+            self._settle(ctx, [i for i, *_ in encoded])
             for i, level, handle, nbytes in encoded:
                 ch = book.chunks.get(i)
                 if ch is None:
                     ch = book.chunks[i] = Chunk(level=level)
                 elif ch.file and ch.level != level:  # re-quantized: the old file no longer matches
-                    self.io.delete(ctx, i)
                     ch.file, ch.file_nbytes, ch.checksum = None, 0, None
+                    self._delete_file(ctx, i)
                 self._drop_resident(ctx, i, ch)
                 ch.level = level
                 self._set_resident(ctx, i, ch, handle, nbytes)
             if self.policy.on_pressure == "swap" and self.policy.aot_swap_out:
                 todo = [(i, book.chunks[i].handle, token_starts[i]) for i, *_ in encoded if book.chunks[i].file is None]
-                self._write(ctx, todo)
+                if todo:  # started, not waited for: the next call's plan need not wait for its fsyncs
+                    w = self.writes.start(ctx, todo, self.io.write_async(ctx, todo))
+                    if self.wake is not None:
+                        w.pending.add_done_callback(lambda _f: self.wake())
             self._persist_rows(ctx, book)
         finally:
             self.abort_call(ctx)  # unlock; a governor restarted since begin_call holds no lock
@@ -501,13 +493,22 @@ class MemoryGovernor:
         for c, i in victims:
             by_ctx.setdefault(c, []).append(i)
         wrote = 0
-        for c, idxs in by_ctx.items():
+        for n, (c, idxs) in enumerate(by_ctx.items()):
             book = self.books[c]
             todo = []
             if self.policy.on_pressure == "swap":
-                todo = [(i, book.chunks[i].handle, i * self.cfg.chunk_tokens) for i in idxs if book.chunks[i].file is None]
+                try:
+                    self._settle(c, idxs)  # victims written ahead of time: their writes must be done
+                    todo = [(i, book.chunks[i].handle, i * self.cfg.chunk_tokens) for i in idxs
+                            if book.chunks[i].file is None]
+                    self._write(c, todo)  # on demand: inside this switch
+                except BaseException:  # not evicted after all (a full disk, say): back in the queue
+                    for c2, idxs2 in list(by_ctx.items())[n:]:
+                        for i in idxs2:
+                            ch = self.books[c2].chunks[i]
+                            self.queue.touch((c2, i), ch.level, ch.nbytes, self.clock())
+                    raise
                 wrote += len(todo)
-                self._write(c, todo)  # on demand: inside this switch
             else:
                 self.stats["killed_contexts"] += 1
             for i in idxs:
@@ -532,32 +533,70 @@ class MemoryGovernor:
             if book is not None:
                 self._persist_rows(c, book, sorted(idxs), durable=False)
 
+    # ---- writes ahead of time -------------------------------------------------------------------------
+    def reap(self) -> int:
+        """Apply the writes ahead of time that have finished (file names into the books, rows into the
+        registry); returns how many. Called at the start of each call's steps; an actor may call it
+        whenever a write finishes."""
+        done = self.writes.finished()
+        for w in done:
+            self._finish(w)
+        return len(done)
+
+    def drain(self) -> None:
+        """Wait for every write ahead of time and apply it (before a close, a rebuild, a check)."""
+        for w in self.writes.all():
+            self._finish(w)
+
+    def _settle(self, ctx: str, indices: Iterable[int] | None = None) -> None:
+        """Wait for the writes holding `ctx`'s chunks `indices` (all when None) and apply them: those
+        chunks are about to leave the pool, or their files to become void."""
+        for w in self.writes.of(ctx, indices):
+            self._finish(w)
+
+    def _finish(self, w: Write) -> None:
+        """Apply one write's result. A failed write is logged; its chunks stay without a file (written
+        on demand if evicted, recomputed from their token ids after a restart)."""
+        try:
+            metas = w.pending.result()
+        except Exception:  # noqa: BLE001 - the service's business, not the next call's
+            self.writes.remove(w)
+            self.stats["failed_writes"] += 1
+            logging.getLogger(__name__).exception("a write ahead of time of %d chunks of %s failed; they "
+                                                  "stay in memory only", len(w.todo), w.ctx)
+            return
+        self.writes.remove(w)
+        book = self.books.get(w.ctx)
+        if book is None:  # not expected: a deletion settles the context's writes first
+            return
+        for (i, _h, _t), meta in zip(w.todo, metas):
+            self.stats["swap_out_bytes"] += book.chunks[i].written(meta)
+        try:
+            self._persist_rows(w.ctx, book, [i for i, _h, _t in w.todo])
+        except Exception:  # noqa: BLE001 - a full disk: the rows follow with the context's next write
+            logging.getLogger(__name__).exception("the rows of %d chunks written for %s were not saved",
+                                                  len(w.todo), w.ctx)
+
+    def _delete_file(self, ctx: str, i: int) -> None:
+        """Forget chunk `i`'s record on disk, which the books no longer name. A failure (a full disk)
+        is logged, not raised: the registry never names the stale record again, and the chunk's next
+        write supersedes it."""
+        try:
+            self.io.delete(ctx, i)
+        except Exception:  # noqa: BLE001
+            logging.getLogger(__name__).exception("deleting the stale record of chunk %d of %s failed", i, ctx)
+
     def _write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> None:
         if not todo:
             return
         metas = self.io.write(ctx, todo)
         book = self.books[ctx]
         for (i, _, _), meta in zip(todo, metas):
-            ch = book.chunks[i]
-            ch.file, ch.file_nbytes, ch.checksum = meta["name"], meta["nbytes"], meta["checksum"]
-            self.stats["swap_out_bytes"] += meta["nbytes"]
+            self.stats["swap_out_bytes"] += book.chunks[i].written(meta)
 
     def _persist_rows(self, ctx: str, book: CtxBook, indices: Iterable[int] | None = None,
                       durable: bool = True) -> None:
         """Write the rows of `ctx`'s chunks (all, or those of `indices` still in the book) to the
         registry in one transaction (`Registry.upsert_chunks`)."""
-        rows = []
-        for i in book.chunks if indices is None else indices:
-            ch = book.chunks.get(i)
-            if ch is None:
-                continue
-            if ch.file and ch.handle is not None:
-                state = ChunkState.BOTH
-            elif ch.file:
-                state = ChunkState.SWAPPED
-            elif ch.handle is not None:
-                state = ChunkState.RESIDENT
-            else:
-                state = ChunkState.MISSING
-            rows.append(ChunkRow(i, state, ch.level, ch.file, ch.checksum, ch.file_nbytes, ch.density, ch.pinned_exact))
+        rows = [book.chunks[i].row(i) for i in (book.chunks if indices is None else indices) if i in book.chunks]
         self.registry.upsert_chunks(ctx, rows, durable=durable)

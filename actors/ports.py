@@ -87,12 +87,18 @@ class GovernorPort(Protocol):
     def held_nbytes(self) -> int:
         """Bytes of resident chunks in the pool."""
 
+    def drain(self) -> None:
+        """Wait for the writes ahead of time in flight and record them (an idle gap's worth)."""
+
 
 class SwapIOPort(Protocol):
     """The KV swap/IO worker: chunk records to and from disk."""
 
     def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
         """Write chunks (index, handle, token start); returns each record's name, bytes, checksum."""
+
+    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]) -> Any:
+        """`write` started and not waited for: something with `done()` and `result()` (a future)."""
 
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
         """Read whole chunks: ({index: EncodedChunk}, {index: error code})."""

@@ -89,7 +89,15 @@ def restarted(role: str, data_dir: str, metrics) -> bool:
 
 
 class IOActor(KVSwapIO, Health):
-    """The KV swap/IO worker actor: the plain worker plus its metrics (bytes and seconds each way)."""
+    """The KV swap/IO worker actor: the plain worker plus its metrics (bytes and seconds each way).
+    Writes run in a concurrency group of their own (`GROUPS`), one at a time and in order, so that a
+    restore's reads never queue behind the previous call's writes ahead of time and their fsyncs."""
+
+    GROUPS = {"write": 1}
+
+    @ray.method(concurrency_group="write")
+    def write(self, ctx: str, todo: list) -> list[dict]:
+        return super().write(ctx, todo)
 
     def __init__(self, root: str, fingerprint: str, config, data_dir: str, **kw) -> None:
         from actors.metrics import Metrics
@@ -141,7 +149,9 @@ class GovernorActor(Health):
                 profile_key(fingerprint, 1, c.chunk_tokens, c.read_bytes_per_s))
         self._released: list[int] = []  # keys of handles dropped since the executor last heard
         self.epoch = os.urandom(8).hex()  # this governor process: a new one knows none of the old keys
-        self.gov = MemoryGovernor(reg, SwapIOStub(io_handle), parts.governor, profile=profile, release=self._release)
+        self._changed = threading.Event()  # set by every change, and by every write ahead of time done
+        self.gov = MemoryGovernor(reg, SwapIOStub(io_handle), parts.governor, profile=profile, release=self._release,
+                                  wake=self._changed.set)
         self.metrics = Metrics()
         self.metrics.start("governor", c.data_dir)
         restarted("governor", c.data_dir, self.metrics)
@@ -151,7 +161,6 @@ class GovernorActor(Health):
         # the gauges are published by a thread of their own, PUBLISH_DELAY_S after a change, so that
         # their cost is not inside the reply of the call that made it (a switch's `begin_call`)
         self._lock = threading.Lock()
-        self._changed = threading.Event()
         threading.Thread(target=self._publisher, name="publish-gauges", daemon=True).start()
         freeze_startup_objects()  # no full collection walks the start-up's objects inside a `begin_call`
 
@@ -240,6 +249,9 @@ class GovernorActor(Health):
     def held_nbytes(self) -> int:
         return self.gov.pool_used
 
+    def drain(self) -> None:
+        with self._books() as g:
+            g.drain()
 
     def held_handles(self) -> list:
         """The resident chunks' handles (tests check that the executor holds a ref for each)."""
@@ -257,6 +269,7 @@ class GovernorActor(Health):
             time.sleep(self.PUBLISH_DELAY_S)  # the other calls of the same switch come meanwhile
             self._changed.clear()
             with self._lock:
+                self.gov.reap()  # writes ahead of time that finished: their rows into the registry
                 self._publish()
 
     def _publish(self) -> None:

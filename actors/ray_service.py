@@ -47,8 +47,8 @@ class RayParts:
 
 def _actor(cls):
     """`cls` as a Ray actor class with the service's concurrency groups (`HEALTH_GROUPS`: the probe
-    `alive` answers on a thread of its own while a call runs)."""
-    return ray.remote(concurrency_groups=HEALTH_GROUPS)(cls)
+    `alive` answers on a thread of its own while a call runs) and its own (`cls.GROUPS`)."""
+    return ray.remote(concurrency_groups={**HEALTH_GROUPS, **getattr(cls, "GROUPS", {})})(cls)
 
 
 def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: str = "llmaas",

@@ -160,6 +160,9 @@ class GovernorStub:
     def held_nbytes(self) -> int:
         return retry.call(self.handle.held_nbytes)
 
+    def drain(self) -> None:
+        retry.call(self.handle.drain)
+
 
 class SwapIOStub:
     """`SwapIOPort` over the IO worker actor; reads return its streaming generators (object refs)."""
@@ -169,6 +172,11 @@ class SwapIOStub:
 
     def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
         return retry.call(self.handle.write, ctx, todo)
+
+    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]):
+        """The write's object ref as a future (a restart in between fails it: the governor logs it,
+        and the chunks are written on demand if evicted)."""
+        return self.handle.write.remote(ctx, todo).future()
 
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
         return retry.call(self.handle.read, ctx, indices)

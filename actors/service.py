@@ -174,8 +174,10 @@ class ContextService:
         return drain(self.stream_stateless(token, system_prompt, history, prompt, **params))
 
     def flush(self) -> None:
-        """Wait for the last call's write-back (benchmarks wait here between calls)."""
+        """Wait for the last call's write-back, its chunk writes included (what an idle gap between
+        calls gives; benchmarks and tests wait here)."""
         self.executor.flush()
+        self.governor.drain()
 
     def close(self) -> None:
         if self._close is not None:
@@ -227,6 +229,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
 
     def close() -> None:
         executor.flush()
+        governor.drain()
         registry.close()
 
     return ContextService(governor, executor, config=config, close=close, model_id=fingerprint,

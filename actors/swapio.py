@@ -18,6 +18,7 @@ It knows nothing about policies or the model: it moves bytes and reports timings
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any, Callable, Iterator
@@ -172,6 +173,15 @@ class KVSwapIO:
         self.bytes_read = 0
         self.observe: Callable[[str, int, float], None] = lambda direction, nbytes, seconds: None
         """Called after each write (`out`) and read (`in`) with the bytes and seconds (metrics)."""
+        self._writer: ThreadPoolExecutor | None = None
+        """The thread of `write_async` (made on first use), beside the caller's reads."""
+
+    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]) -> Future:
+        """`write` on a thread of its own, in the order started: the future of its result. Reads go
+        on meanwhile (the chunk store serialises what must be)."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="chunk-writer")
+        return self._writer.submit(self.write, ctx, todo)
 
     def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
         """Write chunks (index, handle, first token) crash-safely, one pack per run of consecutive

@@ -36,12 +36,47 @@ class Handle:
     level: str
 
 
+class FakeWrite:
+    """A write ahead of time in flight: done when the test says (`finish`), or when the governor
+    waits for it (`result`), which it records."""
+
+    def __init__(self, io: "FakeIO", ctx: str, todo) -> None:
+        self.io, self.ctx, self.todo, self.metas = io, ctx, todo, None
+
+    def done(self) -> bool:
+        return self.metas is not None
+
+    def finish(self) -> None:
+        if self.metas is None:
+            self.metas = self.io.write(self.ctx, self.todo)
+
+    def result(self, timeout=None):
+        if self.metas is None:
+            self.io.waited.append((self.ctx, sorted(i for i, _h, _t in self.todo)))
+            self.finish()
+        return self.metas
+
+
 class FakeIO:
-    """`SwapIOPort` in memory: files are dict entries; records every write and delete."""
+    """`SwapIOPort` in memory: files are dict entries; records every write and delete, and which
+    writes ahead of time the governor had to wait for."""
 
     def __init__(self) -> None:
         self.files: dict[tuple[str, int], Handle] = {}
         self.writes = 0
+        self.in_flight: list[FakeWrite] = []
+        self.waited: list[tuple[str, list[int]]] = []
+
+    def write_async(self, ctx, todo):
+        w = FakeWrite(self, ctx, todo)
+        self.in_flight.append(w)
+        return w
+
+    def finish_some(self, rng) -> None:
+        for w in self.in_flight:
+            if rng.random() < 0.5:
+                w.finish()
+        self.in_flight = [w for w in self.in_flight if not w.done()]
 
     def write(self, ctx, todo):
         out = []
@@ -128,6 +163,7 @@ def test_invariants_hold_over_a_random_trace(policy, raw_chunk_bytes, tmp_path):
         assert ctx not in gov.locked
         assert gov.pool_used <= budget, f"{policy}: {gov.pool_used} bytes resident over a budget of {budget}"
         check_books(gov, pol)
+        io.finish_some(rng)  # writes ahead of time end in their own time
     assert gov.stats["evictions"] > 0, "the trace never filled the pool"
     if pol.on_pressure == "swap":
         assert io.writes > 0
@@ -166,4 +202,39 @@ def test_chunks_stay_raw_while_the_contexts_in_the_pool_fit_at_raw(tmp_path):
     in_pool = set(gov.queue.contexts())
     assert gov.room(ctxs[0]) == 4.0 * 8 / sum(n[c] for c in in_pool | {ctxs[0]})
     assert gov.room(ctxs[3]) <= 2.0  # a 16-chunk context alone is twice the pool at raw
+    reg.close()
+
+
+def test_a_call_waits_only_for_the_writes_its_own_room_needs(tmp_path):
+    """Writes ahead of time are started by `admit` and not waited for: the next call's plan waits
+    only for the writes of the chunks it evicts, and a finished write reaches the registry."""
+    reg = Registry(str(tmp_path / "registry.db"))
+    io = FakeIO()
+    gov = MemoryGovernor(reg, io, GovernorConfig(pool_bytes=12 * nbytes("q4"), chunk_tokens=CHUNK, policy="llms"),
+                         clock=Clock())
+    reg.create_app("app")
+    a, b, c = (gov.new_ctx("app", "", np.zeros(0, np.int64), "", "{}") for _ in range(3))
+
+    def call(ctx, n):
+        plan = gov.begin_call(ctx, "app")
+        reply = gov.commit_call(ctx, list(range(n * CHUNK)), "x", "{}", b"", n * CHUNK, np.ones(n), 0)
+        gov.admit(ctx, [(i, lv, Handle(ctx, i, lv), nbytes(lv)) for i, lv in sorted(reply.todo.items())],
+                  {i: i * CHUNK for i in reply.todo})
+        return plan
+
+    call(a, 4)
+    call(b, 4)  # a's write is still in flight: b's plan did not wait for it
+    assert len(io.in_flight) == 2 and io.waited == [] and len(gov.writes) == 2
+    assert {r.state.value for r in reg.chunks(a)} == {"resident"}  # no file yet, as far as anyone knows
+    io.in_flight[1].finish()  # b's write ends; the next call's steps record it (`reap`)
+    call(c, 4)  # 12 chunks in a pool of 12: no room needed, nothing waited for
+    assert io.waited == [] and {r.state.value for r in reg.chunks(b)} == {"both"}
+    plan = gov.begin_call(c, "app")  # c again, longer: room for 4 more chunks evicts a's, in flight
+    reply = gov.commit_call(c, list(range(8 * CHUNK)), "x", "{}", b"", 8 * CHUNK, np.ones(8), 4)
+    gov.admit(c, [(i, lv, Handle(c, i, lv), nbytes(lv)) for i, lv in sorted(reply.todo.items())],
+              {i: i * CHUNK for i in reply.todo})
+    assert plan.load == [] and io.waited == [(a, [0, 1, 2, 3])]  # a's write was waited for, only it
+    assert all(gov.books[a].chunks[i].file and gov.books[a].chunks[i].handle is None for i in range(4))
+    gov.drain()
+    assert len(gov.writes) == 0 and {r.state.value for r in reg.chunks(c)} == {"both"}
     reg.close()

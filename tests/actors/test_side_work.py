@@ -36,9 +36,9 @@ def test_a_stateless_call_stores_nothing_and_counts_against_no_limit(engine, tmp
 
 
 def test_a_failed_write_back_after_a_committed_reply_is_not_the_next_calls(engine, tmp_path, caplog):
-    """The disk fails while a call's chunks are written back, after its reply: the reply stands, the
-    failure is logged instead of failing the next call, the context is not left locked, and the next
-    call restores it (what was not written is recomputed from the token ids) and answers."""
+    """The disk fails while a call's chunks are written ahead of time, after its reply: the reply
+    stands, the failure is logged instead of failing the next call, the context is not left locked,
+    the chunks are written on demand when evicted, and the next call restores the context and answers."""
     import errno
 
     e = ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=512))
@@ -58,7 +58,8 @@ def test_a_failed_write_back_after_a_committed_reply_is_not_the_next_calls(engin
     io.write = full_disk  # the fault: a disk that fills up during one write-back
     first = svc.call(tok, ctx, "Name a fruit.", max_tokens=4)
     svc.flush()
-    assert failed == [ctx] and "write-back after a committed call failed" in caplog.text
+    assert failed == [ctx] and "a write ahead of time of" in caplog.text
+    assert svc.governor.stats["failed_writes"] == 1
     assert ctx not in svc.governor.locked
     svc.call(tok, other, "Hello.", max_tokens=2)  # the pool holds one chunk: ctx must come back from disk or recompute
     again = svc.call(tok, ctx, "What colour is it?", max_tokens=4)

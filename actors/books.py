@@ -1,0 +1,66 @@
+"""The memory governor's books: a row per chunk of a context, a book per context.
+
+Plain data: what the governor knows of each chunk (its level, its resident handle, its file) and how
+that reads as a registry row. The governor alone changes them (`actors.governor`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.registry import ChunkRow, ChunkState
+
+
+@dataclass(slots=True)
+class Chunk:
+    """The governor's row for one chunk of one context."""
+
+    level: str
+    """Level of the resident handle or, when not resident, of the file."""
+    handle: Any = None
+    """Resident copy (opaque), or None."""
+    nbytes: int = 0
+    """Bytes of the resident copy as stored (0 when not resident)."""
+    file: str | None = None
+    """Chunk file name when a valid file holds this chunk's current content."""
+    file_nbytes: int = 0
+    """Size of that file in bytes."""
+    checksum: str | None = None
+    density: float = 0.0
+    """Information density (LLMS Eq. 1)."""
+    pinned_exact: bool = False
+    """Never lowered below raw by any policy (`MemoryGovernor.pin_exact`)."""
+
+    def written(self, meta: dict) -> int:
+        """A write of this chunk ended with `meta` (the IO worker's name, nbytes, checksum): its file.
+        Returns the bytes written."""
+        self.file, self.file_nbytes, self.checksum = meta["name"], meta["nbytes"], meta["checksum"]
+        return self.file_nbytes
+
+    def row(self, index: int) -> ChunkRow:
+        """This chunk as the registry stores it (its state from where its copies are)."""
+        if self.file and self.handle is not None:
+            state = ChunkState.BOTH
+        elif self.file:
+            state = ChunkState.SWAPPED
+        elif self.handle is not None:
+            state = ChunkState.RESIDENT
+        else:
+            state = ChunkState.MISSING
+        return ChunkRow(index, state, self.level, self.file, self.checksum, self.file_nbytes, self.density,
+                        self.pinned_exact)
+
+
+@dataclass(slots=True)
+class CtxBook:
+    """The governor's book of one context."""
+
+    app: str
+    kv_tokens: int = 0
+    """Tokens of the context that have chunks (K/V computed at least once)."""
+    chunks: dict[int, Chunk] = field(default_factory=dict)
+    version: int = 0
+    """Names the context's saved token ids and state: a new number at every commit (see `begin_call`)."""
+    request_id: str | None = None
+    """The request id of the last committed call: a call retried with it appends nothing."""
