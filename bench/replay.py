@@ -80,6 +80,10 @@ class ReplayConfig:
     """Most reply tokens of a call (tokens)."""
     max_gap_s: float = 0.0
     """Longest idle gap kept between two calls, seconds; the background work may make it longer."""
+    think_ms: float | None = None
+    """Think time instead of the trace's gaps: each call is sent this long after the previous reply,
+    whether or not the service's background work has finished (0: back to back, as when several apps
+    are busy). None: the trace's gaps, compressed by `max_gap_s`, after the background work."""
     calls: int = 0
     """Replay only the first `calls` calls of the trace (count); 0 for all."""
     history_tokens: tuple[int, int] = (1000, 1900)
@@ -98,6 +102,8 @@ class ReplayConfig:
             raise ValueError("at least one policy is needed")
         if self.kv_budget_bytes < 0 or self.throttle_mbps < 0 or self.max_gap_s < 0 or self.calls < 0:
             raise ValueError("kv_budget_bytes, throttle_mbps, max_gap_s and calls must be >= 0")
+        if self.think_ms is not None and not (math.isfinite(self.think_ms) and self.think_ms >= 0):
+            raise ValueError(f"think_ms must be a finite number >= 0, got {self.think_ms!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         lo, hi = self.history_tokens
@@ -152,18 +158,25 @@ def reply_tokens(record: TraceRecord, prompt_tokens: int, max_tokens: int) -> in
 def replay_calls(svc, token: str, ctx_ids: Sequence[str], calls: Sequence[TraceRecord], *, policy: str,
                  max_tokens: int, max_gap_s: float, count_tokens: Callable[[str], int],
                  idle: Callable[[], None], clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep, progress=None) -> list[CallRecord]:
+                 sleep: Callable[[float], None] = time.sleep, progress=None,
+                 think_ms: float | None = None) -> list[CallRecord]:
     """Send `calls` to `svc` (contexts `ctx_ids` by trace id) in compressed time; `idle()` blocks until
-    the service's background work is done and is called before every call. `progress`: a tqdm bar."""
+    the service's background work is done and is called before every call. With `think_ms`, each call
+    goes that long after the previous reply instead, and `idle()` only after the last. `progress`: a
+    tqdm bar."""
     out: list[CallRecord] = []
     start = prev_sent = None
     prev_time = 0.0
     for k, rec in enumerate(calls):
-        idle()  # never compressed away: the background work of the previous call finishes first
-        if prev_sent is not None:
-            due = prev_sent + min(max(0.0, rec.time_s - prev_time), max_gap_s)
-            if (now := clock()) < due:
-                sleep(due - now)
+        if think_ms is not None:
+            if prev_sent is not None and think_ms > 0:
+                sleep(think_ms / 1000)
+        else:
+            idle()  # never compressed away: the background work of the previous call finishes first
+            if prev_sent is not None:
+                due = prev_sent + min(max(0.0, rec.time_s - prev_time), max_gap_s)
+                if (now := clock()) < due:
+                    sleep(due - now)
         sent = clock()
         start = sent if start is None else start
         n = reply_tokens(rec, count_tokens(rec.prompt), max_tokens)
@@ -227,7 +240,7 @@ def replay(trace: Trace, config: ReplayConfig, engine, data_root: str | Path, *,
                 result.records[policy] = replay_calls(
                     svc, token, ctx_ids, calls, policy=policy, max_tokens=config.max_tokens,
                     max_gap_s=config.max_gap_s, count_tokens=count_tokens, idle=partial(wait_idle, svc),
-                    progress=bar)
+                    progress=bar, think_ms=config.think_ms)
             finally:
                 if bar is not None:
                     bar.close()
@@ -387,6 +400,7 @@ def write_results(out_dir: str | Path, result: ReplayResult, trace: Trace, meta:
         "throttle_mbps": c.throttle_mbps,
         "max_tokens": c.max_tokens,
         "max_gap_s": c.max_gap_s,
+        "think_ms": c.think_ms,
         "max_context_tokens": c.max_context_tokens,
         "chunk_tokens": c.chunk_tokens,
         "policies": {p: {**summarise(recs), "wall_s": result.wall_s.get(p)} for p, recs in result.records.items()},

@@ -2,7 +2,7 @@
 
     python -m deploy.jobs.replay [--trace FILE | --pattern markov --contexts 8 --calls 30]
         [--policies lmk swap vllm-s vllm-sq llms] [--kv-budget BYTES] [--throttle-mbps MB/s]
-        [--max-tokens 8] [--max-gap-s 0] [--chunk-tokens 16] [--ray] --out RESULTS_DIR
+        [--max-tokens 8] [--max-gap-s 0 | --think-ms MS] [--chunk-tokens 16] [--ray] --out RESULTS_DIR
 
 Also `llmaas bench replay ...`, and `ray job submit -- python -m deploy.jobs.replay --ray ...`: under
 `ray job submit` (RAY_ADDRESS set) `--ray` attaches to that cluster (`ray.init(address="auto")`) and
@@ -53,7 +53,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     r.add_argument("--max-tokens", type=int, default=8, help="most reply tokens per call (default 8)")
     r.add_argument("--max-gap-s", type=float, default=0.0, metavar="S",
                    help="longest idle gap kept between calls, s; the service's background work always "
-                        "finishes first (default 0: back to back)")
+                        "finishes first (default 0: back to back once it has)")
+    r.add_argument("--think-ms", type=float, default=None, metavar="MS",
+                   help="send each call MS after the previous reply instead, whether or not the service's "
+                        "background work has finished (0: truly back to back, as when several apps are "
+                        "busy); replaces the trace's gaps and --max-gap-s"),
     r.add_argument("--history-tokens", type=int, nargs=2, default=(1000, 1900), metavar=("LO", "HI"),
                    help="each context's starting history of real text, tokens (default 1000 1900)")
     r.add_argument("--max-context", type=int, default=4096, metavar="TOKENS", help="context limit (default 4096)")
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     try:  # bad arguments and policy names fail here, before seconds of model loading
         config = ReplayConfig(policies=tuple(args.policies), kv_budget_bytes=args.kv_budget,
                               throttle_mbps=args.throttle_mbps, max_tokens=args.max_tokens,
-                              max_gap_s=args.max_gap_s, calls=args.calls or 0,
+                              max_gap_s=args.max_gap_s, think_ms=args.think_ms, calls=args.calls or 0,
                               history_tokens=tuple(args.history_tokens), max_context_tokens=args.max_context,
                               use_ray=args.ray, seed=args.seed, chunk_tokens=args.chunk_tokens)
         for name in config.policies:

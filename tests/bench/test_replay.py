@@ -77,6 +77,25 @@ def test_compressed_time_waits_for_background_work_and_caps_gaps():
     assert [r.context for r in recs] == [0, 1, 0, 1]
 
 
+def test_think_time_sends_each_call_after_the_previous_reply_without_waiting_for_background_work():
+    clock, log, sleeps = FakeClock(), [], []
+
+    def sleep(s):
+        sleeps.append(round(s, 6))
+        clock.t += s
+
+    calls = [TraceRecord(t, i % 2, f"prompt {i}", 40) for i, t in enumerate([0.0, 1.0, 1.1, 5.0])]
+    for think_ms, want in ((0.0, []), (250.0, [0.25] * 3)):
+        log.clear(), sleeps.clear()
+        replay_calls(FakeService(clock, log), "tok", ["c0", "c1"], calls, policy="fake", max_tokens=8,
+                     max_gap_s=0.5, count_tokens=lambda s: 10, idle=lambda: log.append(("idle",)),
+                     clock=clock, sleep=sleep, think_ms=think_ms)
+        # the trace's gaps are ignored; background work is waited for only once all calls are sent
+        assert [e[0] for e in log] == ["call"] * 4 + ["idle"] and sleeps == pytest.approx(want)
+    with pytest.raises(ValueError, match="think_ms"):
+        ReplayConfig(think_ms=-1.0)
+
+
 def test_reply_tokens_fill_the_delta_within_bounds():
     rec = TraceRecord(0.0, 0, "p", 40)
     assert reply_tokens(rec, 35, 8) == 5
