@@ -14,7 +14,8 @@ the previous call's fsyncs. A chunk whose write is in flight is waited for only 
 pool or its file is void (eviction, a new version, deletion); `reap` applies finished writes.
 
 Invariants:
-- the bytes of resident handles the governor holds never exceed the pool budget after `admit`;
+- the bytes of resident handles the governor holds never exceed the pool budget after `admit`, but
+  for chunks whose writes ahead of time are in flight, which leave the pool as those writes end;
 - a chunk of a locked context (one a call is using) is never evicted;
 - a chunk's level only goes down; the way back up is recompute;
 - a chunk with state `swapped`/`both` has a file as far as the registry knows; a file found missing
@@ -133,7 +134,8 @@ class MemoryGovernor:
         books from the registry, as after this governor's own restart: chunks on disk are read again,
         the rest recomputed from their token ids. Returns the number of calls that were in flight."""
         in_flight = len(self.locked)
-        self.drain()  # what was written is on disk: keep it (writes of the dead process's objects fail)
+        for w in self.writes.all():  # what was written is on disk: keep it (writes of the dead
+            self._finish(w)  # process's objects fail)
         for handle in self.held_handles():
             self.release(handle)
         self.locked.clear()
@@ -252,7 +254,6 @@ class MemoryGovernor:
         row = None if reuse else self.registry.get_context(ctx, app)
         if ctx in self.locked:
             raise ContextBusyError("context is in use by another call")
-        self.reap()
         book = self.books[ctx]
         self.locked.add(ctx)
         self.queue.lock(ctx)
@@ -442,7 +443,7 @@ class MemoryGovernor:
             self._persist_rows(ctx, book)
         finally:
             self.abort_call(ctx)  # unlock; a governor restarted since begin_call holds no lock
-        self._make_room(0)
+        self._make_room(0, wait=False)  # what is being written leaves when written (`reap`)
         self._save_evicted()
 
     def abort_call(self, ctx: str) -> None:
@@ -474,8 +475,11 @@ class MemoryGovernor:
             self.release(ch.handle)
             ch.handle, ch.nbytes = None, 0
 
-    def _make_room(self, need: int, defer: bool = False) -> tuple[int, int]:
+    def _make_room(self, need: int, defer: bool = False, wait: bool = True) -> tuple[int, int]:
         """Evict until `need` more bytes fit the budget. Returns (chunks evicted, chunks written).
+        Chunks whose writes ahead of time are in flight go last: `wait` says whether to wait for
+        them when the others do not free enough (a restore's room must be there), or to leave the
+        pool over budget by them until their writes end (`reap` evicts them then).
 
         `defer` (inside a switch): the rows of chunks evicted without writing a file are written by
         the call's `admit`, after the reply, not here. Such an eviction turns `both` into `swapped`
@@ -485,10 +489,12 @@ class MemoryGovernor:
         over = self.pool_used + need - self.cfg.pool_bytes
         if over <= 0:
             return 0, 0
-        try:
-            victims = self.queue.pop_victims(over)
-        except CapacityError:
-            victims = self.queue.pop_victims(self.queue.evictable_bytes) if self.queue.evictable_bytes else []
+        writing = (lambda key: key in self.writes) if len(self.writes) else None
+        victims = self._pop_victims(over, writing)
+        if wait and writing is not None:
+            freed = sum(self.books[c].chunks[i].nbytes for c, i in victims)
+            if freed < over:
+                victims += self._pop_victims(over - freed)
         by_ctx: dict[str, list[int]] = {}
         for c, i in victims:
             by_ctx.setdefault(c, []).append(i)
@@ -498,7 +504,7 @@ class MemoryGovernor:
             todo = []
             if self.policy.on_pressure == "swap":
                 try:
-                    self._settle(c, idxs)  # victims written ahead of time: their writes must be done
+                    self._settle(c, idxs, defer=defer)  # victims written ahead of time: their writes must be done
                     todo = [(i, book.chunks[i].handle, i * self.cfg.chunk_tokens) for i in idxs
                             if book.chunks[i].file is None]
                     self._write(c, todo)  # on demand: inside this switch
@@ -525,6 +531,18 @@ class MemoryGovernor:
                 self._persist_rows(c, book, idxs, durable=bool(todo))
         return len(victims), wrote
 
+    def _pop_victims(self, need: int, skip=None) -> list[tuple[str, int]]:
+        try:
+            return self.queue.pop_victims(need, skip)
+        except CapacityError:  # locked contexts hold the rest: free what can be freed
+            return self.queue.pop_victims(self.queue.evictable_bytes, skip) if self.queue.evictable_bytes else []
+
+    def writing_nbytes(self) -> int:
+        """Bytes of resident chunks whose writes ahead of time are in flight (by which the pool may
+        stand over its budget after `admit`, until they end)."""
+        return sum(ch.nbytes for w in self.writes.all() for i, _h, _t in w.todo
+                   if (ch := self.books[w.ctx].chunks.get(i)) is not None and ch.handle is not None)
+
     def _save_evicted(self) -> None:
         """Write the rows `_make_room(defer=True)` left (their state as the books have it now)."""
         while self._unsaved:
@@ -541,22 +559,29 @@ class MemoryGovernor:
         done = self.writes.finished()
         for w in done:
             self._finish(w)
+        if done:  # chunks left over budget while written can go now
+            self._make_room(0, wait=False)
+            self._save_evicted()
         return len(done)
 
     def drain(self) -> None:
-        """Wait for every write ahead of time and apply it (before a close, a rebuild, a check)."""
+        """Wait for every write ahead of time, apply it, and evict down to the budget (what an idle
+        gap gives: before a close or a check)."""
         for w in self.writes.all():
             self._finish(w)
+        self._make_room(0)
+        self._save_evicted()
 
-    def _settle(self, ctx: str, indices: Iterable[int] | None = None) -> None:
+    def _settle(self, ctx: str, indices: Iterable[int] | None = None, defer: bool = False) -> None:
         """Wait for the writes holding `ctx`'s chunks `indices` (all when None) and apply them: those
         chunks are about to leave the pool, or their files to become void."""
         for w in self.writes.of(ctx, indices):
-            self._finish(w)
+            self._finish(w, defer)
 
-    def _finish(self, w: Write) -> None:
+    def _finish(self, w: Write, defer: bool = False) -> None:
         """Apply one write's result. A failed write is logged; its chunks stay without a file (written
-        on demand if evicted, recomputed from their token ids after a restart)."""
+        on demand if evicted, recomputed from their token ids after a restart). `defer` (inside a
+        switch): the rows are written after the reply (`_save_evicted`), as `_make_room`'s are."""
         try:
             metas = w.pending.result()
         except Exception:  # noqa: BLE001 - the service's business, not the next call's
@@ -571,8 +596,12 @@ class MemoryGovernor:
             return
         for (i, _h, _t), meta in zip(w.todo, metas):
             self.stats["swap_out_bytes"] += book.chunks[i].written(meta)
-        try:
-            self._persist_rows(w.ctx, book, [i for i, _h, _t in w.todo])
+        if defer:
+            self._unsaved.setdefault(w.ctx, set()).update(i for i, _h, _t in w.todo)
+            return
+        try:  # not durable: a power loss that undoes it leaves the chunks without files as far as
+            # the registry knows (recomputed after a restart), never naming a file that is not there
+            self._persist_rows(w.ctx, book, [i for i, _h, _t in w.todo], durable=False)
         except Exception:  # noqa: BLE001 - a full disk: the rows follow with the context's next write
             logging.getLogger(__name__).exception("the rows of %d chunks written for %s were not saved",
                                                   len(w.todo), w.ctx)

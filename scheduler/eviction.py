@@ -51,6 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 from scheduler import levels as L
@@ -242,12 +243,14 @@ class EvictionQueue:
         else:
             self._locks[ContextId(ctx)] = n - 1
 
-    def pop_victims(self, need_bytes: int) -> list[ChunkKey]:
+    def pop_victims(self, need_bytes: int, skip: Callable[[ChunkKey], bool] | None = None) -> list[ChunkKey]:
         """Remove and return chunks, in eviction order, until at least ``need_bytes`` are freed.
 
         Returns ``[]`` for ``need_bytes <= 0``. Raises :class:`NotEnoughEvictableError` (the queue
         unchanged) when all unlocked chunks together hold fewer than ``need_bytes``. Under a
-        context strategy whole contexts are taken, so more than asked may be freed.
+        context strategy whole contexts are taken, so more than asked may be freed. ``skip``: units
+        holding a chunk it names are passed over and stay, as locked ones do (the caller's chunks
+        not safe to drop yet); then the chunks returned may free less than ``need_bytes``.
         """
         if need_bytes <= 0:
             return []
@@ -262,6 +265,8 @@ class EvictionQueue:
         units = self._units()
         while freed < need_bytes:
             if not self._heap:
+                if skip is not None:
+                    break
                 raise RuntimeError(f"eviction heap ran dry with {freed} of {need_bytes} B freed but "
                                    f"{avail} B counted evictable")
             item = heapq.heappop(self._heap)
@@ -269,7 +274,7 @@ class EvictionQueue:
             e = units.get(unit)
             if e is None or e.version != version:
                 continue  # stale
-            if self._ctx_of(unit) in self._locks:
+            if self._ctx_of(unit) in self._locks or skip is not None and any(map(skip, self._victims_of(unit))):
                 skipped.append(item)
                 continue
             for k in self._victims_of(unit):

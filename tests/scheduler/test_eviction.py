@@ -64,6 +64,18 @@ def test_pop_frees_at_least_what_is_asked_and_no_more_chunks_than_needed():
     q.check()
 
 
+def test_skipped_chunks_stay_and_may_leave_less_freed_than_asked():
+    q = build("lctru")
+    order = q.order()
+    skip = {("a", 2), ("b", 0)}
+    got = q.pop_victims(250, skip=skip.__contains__)
+    assert got == [("b", 2), ("a", 0)] == [k for k in order if k not in skip][:2]
+    assert all(k in q for k in skip)
+    rest = q.pop_victims(q.evictable_bytes, skip=skip.__contains__)  # more than there is: all but those
+    assert rest == [("a", 1), ("b", 1)] and len(q) == len(skip) + 2  # and the locked context's two
+    q.check()
+
+
 def test_not_enough_evictable_leaves_the_queue_unchanged():
     q = build("lctru")
     before = (q.order(), q.resident_bytes, len(q))
