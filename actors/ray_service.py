@@ -52,9 +52,11 @@ def _actor(cls):
 
 
 def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: str = "llmaas",
-             max_restarts: int = MAX_RESTARTS) -> ContextService:
+             max_restarts: int = MAX_RESTARTS, executor_actor: type = ExecutorActor) -> ContextService:
     """Start the actors of one node (named `<prefix>-<role>`) and return the front over them. The
-    working set is shared memory, so the executor and recompute worker compute on the CPU."""
+    working set is shared memory, so the executor and recompute worker compute on the CPU.
+    `executor_actor`: the executor's body, `ExecutorActor` or a subclass (a test's, failing at a
+    chosen step)."""
     from engine.config import ModelConfig
     from engine.loader import resolve_model
 
@@ -70,7 +72,7 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
         config, parts, io, resolved.fingerprint)
     recompute = _actor(RecomputeActor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
         str(resolved.directory), resolved.fingerprint, parts.engine, io, 1)
-    executor = _actor(ExecutorActor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
+    executor = _actor(executor_actor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
         config, parts, str(resolved.directory), resolved.fingerprint, gov, recompute, io, prefix, 1)
     ray.get([executor.__ray_ready__.remote(), recompute.__ray_ready__.remote()])
     if not config.profile:

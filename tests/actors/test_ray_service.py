@@ -120,6 +120,7 @@ def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_p
         svc.call(tok, c, p + " " + p, max_tokens=4)
     overlapped, sizes = [], []
     for c, p in zip(ctxs, FOLLOW):
+        svc.flush()  # an idle gap: the writes ahead of time end and the pool is back within its 1 MB
         o = svc.call(tok, c, p, max_tokens=4)
         r = o.restore
         if r.loaded and r.recomputed:
@@ -254,4 +255,49 @@ def test_the_executor_comes_back_however_often_it_is_killed(ray_cluster, referen
         if k < len(PROMPTS):  # each context's first turn: exactly the engine's
             assert out.token_ids == reference[0][k], k
     assert len((tmp_path / "restarts" / "executor").read_text().split()) == 5
+    svc.close()
+
+
+def test_executor_dying_between_commit_and_reply_appends_the_retried_turn_once(ray_cluster, tmp_path):
+    """The executor process ends right after the governor committed a call's turn, before the reply
+    leaves (the fault injected at that step by a subclass); the client sees the call interrupted and
+    sends it again with the same request id: it gets the committed turn, appended once."""
+    from actors.messages import CallInterruptedError
+    from actors.ray_actors import ExecutorActor
+    from actors.ray_service import wire_ray
+
+    marker = tmp_path / "died-once"
+
+    class DiesAfterCommit(ExecutorActor):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            schedule = self.ex._schedule_write_back  # the step right after the commit
+
+            def die_once(ctx, todo):
+                if not marker.exists():
+                    marker.write_text("")
+                    os._exit(1)
+                schedule(ctx, todo)
+
+            self.ex._schedule_write_back = die_once
+
+    profile = CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json()
+    cfg = ServiceConfig(data_dir=str(tmp_path / "data"), policy="llms", max_context_tokens=512, profile=profile)
+    marker.write_text("")  # no death while the context is made and answered first
+    svc = wire_ray(cfg, prefix="t-commit-kill", executor_actor=DiesAfterCommit)
+    tok = svc.bind("app")
+    ctx = svc.new_ctx(tok, "You are terse.")
+    svc.call(tok, ctx, "Name a fruit.", max_tokens=4)
+    before = svc.describe(tok, ctx)["turns"]
+    marker.unlink()
+    with pytest.raises(CallInterruptedError):
+        svc.call(tok, ctx, "Name a colour.", request_id="r-1", max_tokens=4)
+    assert marker.exists()  # it died where it should, and only once
+    committed = svc.describe(tok, ctx)["turns"]
+    assert len(committed) == len(before) + 2  # the turn was durable before the reply
+    again = svc.call(tok, ctx, "Name a colour.", request_id="r-1", max_tokens=4)
+    assert svc.describe(tok, ctx)["turns"] == committed
+    assert again.text == committed[-1]["text"] and again.completion_tokens > 0
+    svc.call(tok, ctx, "Name a colour.", request_id="r-2", max_tokens=4)  # another id: another turn
+    assert len(svc.describe(tok, ctx)["turns"]) == len(committed) + 2
     svc.close()
