@@ -163,11 +163,13 @@ class MemoryGovernor:
     # ---- contexts ---------------------------------------------------------------------------------
     def new_ctx(self, app: str, system_prompt: str = "", token_ids=None, text: str = "",
                 state: str | None = None) -> str:
-        """Create a context; with `state`, also save its first token ids, text and state (the executor's)."""
-        ctx = self.registry.create_context(app, system_prompt)
+        """Create a context; with `state`, also save its first token ids, text and state (the executor's),
+        in the same transaction: a failure (a full disk) leaves no half-made context."""
+        with self.registry.transaction():
+            ctx = self.registry.create_context(app, system_prompt)
+            if state is not None:
+                self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, b"")
         self.books[ctx] = CtxBook(app, version=next(self._versions))
-        if state is not None:
-            self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, b"")
         return ctx
 
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
@@ -554,8 +556,8 @@ class MemoryGovernor:
     # ---- writes ahead of time -------------------------------------------------------------------------
     def reap(self) -> int:
         """Apply the writes ahead of time that have finished (file names into the books, rows into the
-        registry); returns how many. Called at the start of each call's steps; an actor may call it
-        whenever a write finishes."""
+        registry), and evict the chunks they let go; returns how many. `admit` calls it, and an actor
+        whenever a write finishes (`wake`)."""
         done = self.writes.finished()
         for w in done:
             self._finish(w)
@@ -595,7 +597,8 @@ class MemoryGovernor:
         if book is None:  # not expected: a deletion settles the context's writes first
             return
         for (i, _h, _t), meta in zip(w.todo, metas):
-            self.stats["swap_out_bytes"] += book.chunks[i].written(meta)
+            if (ch := book.chunks.get(i)) is not None:  # always, as every change of a chunk settles first
+                self.stats["swap_out_bytes"] += ch.written(meta)
         if defer:
             self._unsaved.setdefault(w.ctx, set()).update(i for i, _h, _t in w.todo)
             return

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -269,7 +270,10 @@ class GovernorActor(Health):
             time.sleep(self.PUBLISH_DELAY_S)  # the other calls of the same switch come meanwhile
             self._changed.clear()
             with self._lock:
-                self.gov.reap()  # writes ahead of time that finished: their rows into the registry
+                try:  # writes ahead of time that finished: their rows into the registry
+                    self.gov.reap()
+                except Exception:  # noqa: BLE001 - an eviction's write on a full disk: the next call retries
+                    logging.getLogger(__name__).exception("applying finished writes failed")
                 self._publish()
 
     def _publish(self) -> None:

@@ -46,6 +46,10 @@ def test_a_full_disk_answers_disk_full_lets_contexts_go_and_recovers_without_a_r
     with pytest.raises(DiskFullError):  # a new context too
         svc.call(tok, svc.new_ctx(tok, SYSTEM), LONG, max_tokens=4)
     assert kept not in svc.governor.locked
+    n = len(svc.list_ctx(tok))
+    with pytest.raises(DiskFullError):  # a context seeded with a long history: made whole or not at all
+        svc.new_ctx(tok, SYSTEM, [("user", LONG), ("assistant", "Noted.")])
+    assert len(svc.list_ctx(tok)) == n
 
     svc.delete_ctx(tok, doomed)  # deleting works on the full disk, and frees space
     assert doomed not in {c.id for c in svc.list_ctx(tok)} and not os.path.exists(os.path.join(store.root, doomed))
