@@ -407,14 +407,16 @@ class MemoryGovernor:
 
     def room(self, ctx: str) -> float | None:
         """The mean compression ratio the pool allows now (None when `raw_chunk_bytes` is unknown):
-        the pool against the raw bytes of the contexts in the eviction queue's set and `ctx`, times
-        raw's ratio (4 for float32). At or above raw's ratio there is no pressure; the compression
-        planner never goes below the policy's configured ratio whatever this says."""
+        the pool against the raw bytes of every context with K/V (`ctx` included), times raw's ratio
+        (4 for float32). At or above raw's ratio there is no pressure; the compression planner never
+        goes below the policy's configured ratio whatever this says. Every context, not only those
+        with chunks in the pool now: counting those alone made the measure rise and fall as contexts
+        left and re-entered the pool, so chunks were kept heavy, written heavy and lowered again later
+        (the replay of docs/benchmarks.md loaded 448 MB against 289 MB)."""
         if self.cfg.raw_chunk_bytes <= 0:
             return None
         chunk = self.cfg.chunk_tokens
-        in_pool = set(self.queue.contexts()) | {ctx}
-        n = sum(-(-self.books[c].kv_tokens // chunk) for c in in_pool if c in self.books)
+        n = sum(-(-b.kv_tokens // chunk) for b in self.books.values())
         if n == 0:
             return None
         return L.ratio("raw", self.cfg.dtype) * self.cfg.pool_bytes / (n * self.cfg.raw_chunk_bytes)

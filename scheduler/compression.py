@@ -47,7 +47,7 @@ ratio wins, then the lexicographically smallest thresholds, so plans are determi
 
 Pressure (``room``). The configured ratio is a floor, not a target: while memory holds every
 context in use at ``raw``, lowering chunks loses accuracy for nothing. The caller passes the mean
-ratio memory allows now (the pool against the raw bytes of the contexts in it); the plan's bound is
+ratio memory allows now (the pool against the raw bytes of the contexts it serves); the plan's bound is
 the larger of that and the configured ratio. Without pressure nothing is lowered; between ``raw``
 and ``q8`` the densest chunks stay raw and the rest go to q8 (:func:`plan_roomy`); below ``q8``'s
 ratio the tolerance enumeration runs at that bound, reaching the configured ratio at full pressure.
