@@ -32,6 +32,10 @@ class ServiceConfig:
     into, handing over only where each lies (a few MB cost ~1.5 ms less than as an object-store
     object); chunks past it go through the object store. -1: as large as the working set (any restore
     fits), 0: off. Its pages take memory once written, up to the largest restore's loaded bytes."""
+    overlap_admit: bool = True
+    """On Ray: a call waits only until the previous call's write-back has encoded its chunks from the
+    working set; the rest (putting them in the object store, the governor's `admit`) overlaps the call,
+    unless both are on the same context. False: a call waits for the whole write-back."""
     profile: str = ""
     """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
     model and throttle, then cached (`llmaas profile` re-runs it)."""

@@ -158,7 +158,12 @@ class ModelExecutor:
         working_set: KVCache | None = None,
         put: Callable[[list[codecs.EncodedChunk]], list[Any]] = list,
         background: bool = True,
+        overlap_admit: bool = False,
     ) -> None:
+        """`background`: write back after the reply on a thread of its own. `overlap_admit`: a call
+        waits for the previous write-back only until it has encoded its chunks from the working set,
+        unless both are on the same context (`ServiceConfig.overlap_admit`); the governor port must
+        then take calls from two threads at once (the Ray stub's actor serialises them)."""
         self.engine = engine
         self.model = engine.model
         self.gov = governor
@@ -175,6 +180,10 @@ class ModelExecutor:
         self._bg = (ThreadPoolExecutor(1, thread_name_prefix="writeback", initializer=single_threaded_torch)
                     if background else None)
         self._pending: Future | None = None
+        self._pending_ctx: str | None = None  # the context of the last write-back scheduled
+        self._encoded = threading.Event()  # set once that write-back no longer reads the working set
+        self._encoded.set()
+        self.overlap_admit = overlap_admit and background
         self._lock = threading.Lock()
         self._saved: OrderedDict[str, tuple[int, np.ndarray, str, bytes]] = OrderedDict()
         """Context -> (version, token ids, state, density) as this executor last committed them, the
@@ -255,7 +264,7 @@ class ModelExecutor:
         call's: the turn was committed before the reply, and chunks that were not written come back by
         recompute from the token ids; it is logged."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
+            pending, self._pending, self._pending_ctx = self._pending, None, None
             try:
                 pending.result()
             except Exception:  # noqa: BLE001 - logged with its traceback; nothing committed is lost
@@ -286,7 +295,7 @@ class ModelExecutor:
         with self._lock:
             _check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
-            self.flush()  # a pending write-back is waited for inside switch_ms
+            self._await_write_back(ctx_id)  # inside switch_ms
             step = self._lock_and_plan(app, ctx_id)
             try:
                 replay = self._committed_outcome(step, request_id)
@@ -399,11 +408,20 @@ class ModelExecutor:
 
     def _schedule_write_back(self, ctx: str, todo: dict[int, str]) -> None:
         """Encode and admit the call's chunks after the reply (on the write-back thread when there is one)."""
-        job = lambda: self._write_back(ctx, todo)  # noqa: E731
+        encoded = threading.Event()
+        job = lambda: self._write_back(ctx, todo, encoded)  # noqa: E731
         if self._bg is not None:
-            self._pending = self._bg.submit(job)
+            self._pending, self._pending_ctx, self._encoded = self._bg.submit(job), ctx, encoded
         else:
             job()
+
+    def _await_write_back(self, ctx: str) -> None:
+        """Before a call: the last write-back must be done with the working set, and, unless
+        `overlap_admit`, done altogether (as when it was on the same context: its `admit` unlocks it)."""
+        if self.overlap_admit and self._pending is not None and self._pending_ctx != ctx:
+            self._encoded.wait()
+        else:
+            self.flush()
 
     def _restore(self, plan: CallPlan) -> RestoreStats:
         ws = self.ws
@@ -462,13 +480,17 @@ class ModelExecutor:
             self._saved.popitem(last=False)
         return reply.todo
 
-    def _write_back(self, ctx: str, todo: dict[int, str]) -> None:
+    def _write_back(self, ctx: str, todo: dict[int, str], done_reading: threading.Event | None = None) -> None:
         """Encode the chunks the governor asked for and admit them to the pool (after the reply). The
-        chunks are encoded straight from the working set: the next call waits for this (`flush`)
-        before it writes there."""
+        chunks are encoded straight from the working set: the next call waits for that part
+        (`done_reading`, `_await_write_back`) before it writes there."""
         try:
             order = sorted(todo.items())
-            encs = [codecs.encode(self.ws.chunk_array(i), level, dtype=self.level_dtype) for i, level in order]
+            try:
+                encs = [codecs.encode(self.ws.chunk_array(i), level, dtype=self.level_dtype) for i, level in order]
+            finally:
+                if done_reading is not None:
+                    done_reading.set()
             encoded = [(i, level, h, enc.nbytes) for (i, level), enc, h in zip(order, encs, self.put(encs))]
             self.gov.admit(ctx, encoded, {i: i * self.chunk for i, _ in order})
         except BaseException:

@@ -485,7 +485,8 @@ class ExecutorActor(Health):
                                staging=(self.shm.buf, ws_nbytes, staging) if staging else None)
         self.refs = refs
         self.ex = ModelExecutor(engine, gov, restorer,
-                                working_set=ws, put=refs.put, background=True)  # write-back after the reply
+                                working_set=ws, put=refs.put, background=True,  # write-back after the reply
+                                overlap_admit=c.overlap_admit)
         # after a restart: the call in flight died with the old process, whose objects (the resident
         # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
         interrupted = self.ex.gov.executor_started()
