@@ -179,3 +179,64 @@ def test_a_deadline_in_the_past_stops_the_call_before_anything_is_locked():
     with pytest.raises(CallTimeoutError):
         run(ex.call("app", ctx, "Hi.", deadline=0.0))
     assert gov.log == []
+
+
+class GatedGovernor(FakeGovernor):
+    """Admits wait for `gate`; a call that begins on a context whose admit is still waiting is noted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.gate, self.admitting, self.pending, self.early = threading.Event(), threading.Event(), set(), []
+        self.n = 0
+
+    def new_ctx(self, app, system_prompt, token_ids, text, state):
+        self.n += 1
+        self.saved[f"c{self.n}"] = (list(token_ids), state)
+        return f"c{self.n}"
+
+    def begin_call(self, ctx, app=None, cached=False, known=None):
+        if ctx in self.pending:
+            self.early.append(ctx)
+        return super().begin_call(ctx, app, cached, known)
+
+    def begin_cached_call(self, ctx, app):
+        if ctx in self.pending:
+            self.early.append(ctx)
+        return super().begin_cached_call(ctx, app)
+
+    def commit_call(self, ctx, *args, **kw):
+        self.pending.add(ctx)
+        return super().commit_call(ctx, *args, **kw)
+
+    def admit(self, ctx, encoded, token_starts):
+        self.admitting.set()
+        self.gate.wait()
+        super().admit(ctx, encoded, token_starts)
+        self.pending.discard(ctx)
+
+
+def test_with_overlap_a_call_waits_for_the_last_write_back_only_until_it_has_encoded():
+    """`overlap_admit`: the next call on another context goes on while the last call's admit is still
+    under way (it waited only for the encoding, which reads the working set); a call on the same
+    context waits for all of it (the admit unlocks that context)."""
+    import threading
+
+    gov = GatedGovernor()
+    ex = ModelExecutor(FakeEngine(), gov, FakeRestorer(), background=True, overlap_admit=True)
+    a, b = ex.new_ctx("app", "Be brief."), ex.new_ctx("app", "Be brief.")
+    run(ex.call("app", a, "Hi."))
+    assert gov.admitting.wait(60)  # a's write-back has encoded and waits in its admit
+    done = threading.Thread(target=lambda: run(ex.call("app", b, "Hi.")))
+    done.start()
+    done.join(60)  # a guard against a hang only: without overlap this call would wait for the gate
+    assert not done.is_alive()
+    assert [e for e in gov.log if isinstance(e, tuple)] == []  # a's admit is still waiting
+    again = threading.Thread(target=lambda: run(ex.call("app", b, "Again.")))  # b's admit is pending too
+    again.start()
+    gov.gate.set()
+    again.join(60)
+    assert not again.is_alive() and gov.early == []  # it began only once b's admit was done
+    ex.flush()
+    assert [e for e in gov.log if isinstance(e, tuple)] == [("admit", 1)] * 2 + [("admit", 2)]
