@@ -208,6 +208,8 @@ async def _invalid(_request: Request, e: RequestValidationError):
         loc = first.get("loc", ())
         at = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
         return _error_response(APIError("invalid_json", f"the body is not valid JSON: {why}{at}"))
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
+        return _error_response(APIError("invalid_json", "the body is empty: send a JSON object"))
     if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
         # a body sent with a content type other than JSON reaches validation as raw bytes
         return _error_response(APIError("invalid_json", "send the body as JSON (Content-Type: application/json)"))

@@ -86,6 +86,13 @@ def test_a_body_that_is_not_json_is_400_and_json_that_does_not_validate_is_422(c
     assert set(r.json()["error"]) == {"code", "message"} and r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", [CALLS, "/v1/chat/completions", "/v1/apps"])
+def test_no_body_where_one_is_needed_is_400_invalid_json(client, path):
+    r = client.post(path, content=b"", headers=JSON)  # (POST /v1/contexts takes no body at all)
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json"), r.text
+    assert "empty" in r.json()["error"]["message"]
+
+
 # ---- a full disk is 507 `disk_full`, however it reaches the front ------------------------------------
 
 def test_a_full_disk_is_507_disk_full_through_ray_s_wrappers():
