@@ -21,6 +21,7 @@ from actors.governor import GovernorConfig
 from actors.messages import CallInterruptedError, CallOutcome, KVKey
 from actors.ports import ExecutorPort, GovernorPort
 from engine.config import EngineConfig, ModelConfig
+from storage import codecs
 from storage.chunkstore import ChunkStoreConfig
 from storage.registry import RegistryConfig
 
@@ -56,8 +57,8 @@ def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: st
     from actors.executor import GROUP_LAYERS
     from actors.swapio import layer_groups
 
-    raw_chunk_bytes = (2 * model.n_layers * model.n_kv_heads * model.head_dim * config.chunk_tokens
-                       * DTYPE_BYTES[dtype])
+    raw_chunk_bytes = codecs.stored_nbytes(
+        "raw", (model.n_layers, 2, model.n_kv_heads, config.chunk_tokens, model.head_dim), dtype)
 
     return Components(
         engine=EngineConfig(max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
@@ -70,9 +71,6 @@ def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: st
                                 raw_chunk_bytes=raw_chunk_bytes),
     )
 
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per value of each compute dtype (a raw chunk's size)."""
 
 WEIGHT_FORMAT = "fp32"
 """The engine's weight format: the checkpoint de-quantized to float (part of every chunk's `KVKey`)."""
