@@ -203,17 +203,17 @@ async def _invalid(_request: Request, e: RequestValidationError):
     `invalid_request` naming the first field at fault."""
     errs = e.errors()
     first = errs[0] if errs else {}
+    loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         why = (first.get("ctx") or {}).get("error", "malformed")
-        loc = first.get("loc", ())
         at = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
         return _error_response(APIError("invalid_json", f"the body is not valid JSON: {why}{at}"))
-    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":
+    if loc == ("body",) and first.get("type") == "missing":
         return _error_response(APIError("invalid_json", "the body is empty: send a JSON object"))
-    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
+    if loc == ("body",) and isinstance(first.get("input"), bytes):
         # a body sent with a content type other than JSON reaches validation as raw bytes
         return _error_response(APIError("invalid_json", "send the body as JSON (Content-Type: application/json)"))
-    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    where = ".".join(str(x) for x in loc if x != "body")
     msg = first.get("msg", "invalid request")
     return _error_response(APIError("invalid_request", f"{where}: {msg}" if where else msg))
 
