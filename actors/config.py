@@ -34,8 +34,10 @@ class ServiceConfig:
     fits), 0: off. Its pages take memory once written, up to the largest restore's loaded bytes."""
     overlap_admit: bool = True
     """On Ray: a call waits only until the previous call's write-back has encoded its chunks from the
-    working set; the rest (putting them in the object store, the governor's `admit`) overlaps the call,
-    unless both are on the same context. False: a call waits for the whole write-back."""
+    working set; the rest (putting them in the object store, the governor's `admit`) overlaps the call.
+    A call on the same context, which the working set holds, asks for the context's lock (which that
+    `admit` releases) once the write-back is done, before its commit. False: a call waits for the
+    whole write-back."""
     profile: str = ""
     """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
     model and throttle, then cached (`llmaas profile` re-runs it)."""

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -79,6 +79,9 @@ class _Step:
     """The engine context kept from the last call, when it is this context's."""
     confirm: Callable[[], None] | None
     """Waits for a deferred `begin_cached_call` (None once done or when not deferred)."""
+    loaded: list = field(default_factory=list)
+    """(index, encoded chunk, bytes) of the chunks the restore read whole from disk: the write-back
+    makes them resident (`MemoryGovernor.loaded`), after the reply."""
 
 
 GROUP_LAYERS = 6
@@ -295,8 +298,8 @@ class ModelExecutor:
         with self._lock:
             _check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
-            self._await_write_back(ctx_id)  # inside switch_ms
-            step = self._lock_and_plan(app, ctx_id)
+            behind = self._await_write_back(ctx_id)  # inside switch_ms
+            step = self._lock_and_plan(app, ctx_id, behind)
             try:
                 replay = self._committed_outcome(step, request_id)
                 if replay is not None:
@@ -316,7 +319,9 @@ class ModelExecutor:
                 self._abort(step)
                 raise
             self._last = (ctx_id, app, ectx)
-            self._schedule_write_back(ctx_id, todo)
+            # read whole and unchanged by the call: resident as read, not encoded again
+            loaded = [c for c in step.loaded if c[0] < first_modified and c[0] not in todo]
+            self._schedule_write_back(ctx_id, todo, loaded)
         return CallOutcome(
             text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens, switch_ms=switch_ms, restore=stats,
@@ -327,12 +332,24 @@ class ModelExecutor:
             cached_tokens=r.cached_tokens, hit=step.cached)
 
     # ---- the call's steps ---------------------------------------------------------------------------
-    def _lock_and_plan(self, app: str | None, ctx_id: str) -> "_Step":
+    def _lock_and_plan(self, app: str | None, ctx_id: str, behind: bool = False) -> "_Step":
         """Lock the context at the governor and get its plan. When the working set holds this context
         from the same app's last call there is nothing to restore, and the governor's answer may come
-        while the call runs (`begin_cached_call`): it is checked before the commit."""
+        while the call runs (`begin_cached_call`): it is checked before the commit. `behind`: this
+        context's last write-back is still admitting (`_await_write_back`), so it still holds the
+        lock: the lock is asked for once that write-back is done, before the commit."""
         cached = self.ws_ctx == ctx_id and not self.ws.missing
         last = self._last if cached and self._last[1] == app else None
+        if last is not None and behind:
+            def confirm() -> None:
+                self.flush()
+                self.gov.begin_cached_call(ctx_id, app)()
+
+            plan = CallPlan(ctx=ctx_id, token_ids=np.zeros(0, np.int32), state=None, density=b"",
+                            kv_tokens=self.ws.length, resident=[], load=[], recompute=[])
+            return _Step(plan, cached, last[2], confirm)
+        if behind:  # not a call the working set answers: wait for the lock as before
+            self.flush()
         if last is not None:
             confirm = self.gov.begin_cached_call(ctx_id, app)
             plan = CallPlan(ctx=ctx_id, token_ids=np.zeros(0, np.int32), state=None, density=b"",
@@ -376,7 +393,7 @@ class ModelExecutor:
         if step.cached:
             return RestoreStats()
         tr = time.perf_counter()
-        stats = self._restore(step.plan)
+        stats, step.loaded = self._restore(step.plan)
         stats.seconds = time.perf_counter() - tr
         return stats
 
@@ -406,24 +423,26 @@ class ModelExecutor:
                 step.confirm()
         self.gov.abort_call(step.plan.ctx)
 
-    def _schedule_write_back(self, ctx: str, todo: dict[int, str]) -> None:
+    def _schedule_write_back(self, ctx: str, todo: dict[int, str], loaded: list | None = None) -> None:
         """Encode and admit the call's chunks after the reply (on the write-back thread when there is one)."""
         encoded = threading.Event()
-        job = lambda: self._write_back(ctx, todo, encoded)  # noqa: E731
+        job = lambda: self._write_back(ctx, todo, encoded, loaded or [])  # noqa: E731
         if self._bg is not None:
             self._pending, self._pending_ctx, self._encoded = self._bg.submit(job), ctx, encoded
         else:
             job()
 
-    def _await_write_back(self, ctx: str) -> None:
+    def _await_write_back(self, ctx: str) -> bool:
         """Before a call: the last write-back must be done with the working set, and, unless
-        `overlap_admit`, done altogether (as when it was on the same context: its `admit` unlocks it)."""
-        if self.overlap_admit and self._pending is not None and self._pending_ctx != ctx:
+        `overlap_admit`, done altogether. Returns whether it may still be admitting chunks of `ctx`
+        (whose lock its `admit` releases: `_lock_and_plan` waits for it where it must)."""
+        if self.overlap_admit and self._pending is not None:
             self._encoded.wait()
-        else:
-            self.flush()
+            return self._pending_ctx == ctx
+        self.flush()
+        return False
 
-    def _restore(self, plan: CallPlan) -> RestoreStats:
+    def _restore(self, plan: CallPlan) -> tuple[RestoreStats, list]:
         ws = self.ws
         self.ws_ctx = None
         ws.truncate(0)
@@ -432,11 +451,7 @@ class ModelExecutor:
         stats, loaded = self.restorer.restore(ws, plan)
         if ws.missing:
             raise RuntimeError(f"restore left chunks {sorted(ws.missing)} missing")
-        if loaded:
-            fresh = [enc for _i, enc, _n in loaded if not _is_handle(enc)]
-            handles = iter(self.put(fresh))
-            self.gov.loaded(plan.ctx, [(i, next(handles) if not _is_handle(enc) else enc, n) for i, enc, n in loaded])
-        return stats
+        return stats, loaded
 
     def _engine_context(self, plan: CallPlan) -> LiveContext:
         state = json.loads(plan.state) if plan.state else {"system_prompt": None, "turns": [], "overflows": 0}
@@ -480,10 +495,12 @@ class ModelExecutor:
             self._saved.popitem(last=False)
         return reply.todo
 
-    def _write_back(self, ctx: str, todo: dict[int, str], done_reading: threading.Event | None = None) -> None:
-        """Encode the chunks the governor asked for and admit them to the pool (after the reply). The
-        chunks are encoded straight from the working set: the next call waits for that part
-        (`done_reading`, `_await_write_back`) before it writes there."""
+    def _write_back(self, ctx: str, todo: dict[int, str], done_reading: threading.Event | None = None,
+                    loaded: list | None = None) -> None:
+        """Encode the chunks the governor asked for and admit them to the pool (after the reply), with
+        the `loaded` chunks the restore read whole (index, encoded chunk, bytes). The chunks are encoded
+        straight from the working set: the next call waits for that part (`done_reading`,
+        `_await_write_back`) before it writes there."""
         try:
             order = sorted(todo.items())
             try:
@@ -491,13 +508,14 @@ class ModelExecutor:
             finally:
                 if done_reading is not None:
                     done_reading.set()
-            encoded = [(i, level, h, enc.nbytes) for (i, level), enc, h in zip(order, encs, self.put(encs))]
+            loaded = loaded or []
+            handles = self.put(encs + [enc for _i, enc, _n in loaded])
+            if loaded:
+                self.gov.loaded(ctx, [(i, h, n) for (i, _enc, n), h in zip(loaded, handles[len(encs):])])
+            encoded = [(i, level, h, enc.nbytes) for (i, level), enc, h in zip(order, encs, handles)]
             self.gov.admit(ctx, encoded, {i: i * self.chunk for i, _ in order})
         except BaseException:
             with contextlib.suppress(Exception):  # admit unlocks even when it fails; before it, this does
                 self.gov.abort_call(ctx)
             raise
 
-
-def _is_handle(x) -> bool:
-    return not isinstance(x, codecs.EncodedChunk)

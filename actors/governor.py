@@ -468,6 +468,14 @@ class MemoryGovernor:
     def held_handles(self) -> list[Any]:
         return [ch.handle for b in self.books.values() for ch in b.chunks.values() if ch.handle is not None]
 
+    def replace_handles(self, new: Callable[[Any], Any]) -> None:
+        """Resident chunks whose content moved (the transport re-packed it): `new(handle)` gives a
+        chunk's new handle, or None where it did not move."""
+        for book in self.books.values():
+            for ch in book.chunks.values():
+                if ch.handle is not None and (h := new(ch.handle)) is not None:
+                    ch.handle = h
+
     def _set_resident(self, ctx: str, i: int, ch: Chunk, handle: Any, nbytes: int) -> None:
         ch.handle, ch.nbytes = handle, int(nbytes)
         self.queue.touch((ctx, i), ch.level, ch.nbytes, self.clock())

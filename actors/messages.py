@@ -54,14 +54,18 @@ class KVKey:
 
 @dataclass(frozen=True, slots=True)
 class PoolRef:
-    """A resident chunk on Ray: the object ref of the `EncodedChunk` the executor put, and a small key
-    for it. The governor holds the whole handle (the IO worker writes from the ref); a plan sent to the
-    executor carries only the key, which the executor maps back to the ref it holds."""
+    """A resident chunk on Ray: where it is in the object store, and a small key for it. The executor
+    puts the chunks of one write-back as one object (a list of `EncodedChunk`s: one object-store
+    allocation instead of one per chunk), which lives while any of its chunks is resident. The
+    governor holds the whole handle (the IO worker writes from it); a plan sent to the executor
+    carries only the key, which the executor maps back to the handle it holds."""
 
     key: int
     """Number the executor gave the chunk when it put it (unique per executor process)."""
     ref: Any
-    """`ray.ObjectRef` of the encoded chunk."""
+    """`ray.ObjectRef` of the list of encoded chunks the chunk was put with."""
+    index: int
+    """The chunk's position in that list."""
 
 
 # ---- a call --------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import ray
 from actors.config import ServiceConfig, private_files
 from actors.service import Components
 from actors.messages import PoolRef, RestoreRequest, WithReleases
-from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
+from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub, resolve_chunks
 from actors.recompute import RecomputeWorker, shared_working_set, working_set_nbytes
 from actors.restore import restore
 from actors.swapio import ChunkBatch, KVSwapIO, layer_groups, unstaged
@@ -231,6 +231,12 @@ class GovernorActor(Health):
         with self._books() as g:
             return self._with_releases(g.admit(ctx, encoded, token_starts))
 
+    def rehome(self, handles: list) -> WithReleases:
+        """Resident chunks the executor put again (`ResidentRefs.put`): their new handles, by key."""
+        moved = {h.key: h for h in handles}
+        with self._books() as g:
+            return self._with_releases(g.replace_handles(lambda h: moved.get(h.key) if isinstance(h, PoolRef) else None))
+
     def abort_call(self, ctx: str) -> WithReleases:
         with self._books() as g:
             return self._with_releases(g.abort_call(ctx))
@@ -323,7 +329,7 @@ class RayRestorer:
                  staging: tuple[memoryview, int, int] | None = None) -> None:
         self.worker = worker
         self.io = io
-        self.held = held  # key -> object ref of the resident chunks (the governor proxy's)
+        self.held = held  # key -> `PoolRef` of the resident chunks (`ResidentRefs.held`)
         self.views = views  # key -> zero-copy view of the same chunk
         self.cfg = cfg
         self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
@@ -384,8 +390,7 @@ class RayRestorer:
                              [range(self.cfg.n_layers)], recompute_failed=False)
         staged = [0]
         items = self._batches(refs, plan.ctx, loads, staged) if loads else ()
-        res, _whole = restore(ws, req, items, pool=self.pool,
-                              resolve=lambda ks: [self.views.get(k) or ray.get(self.held[k]) for k in ks])
+        res, whole = restore(ws, req, items, pool=self.pool, resolve=self._resolve_keys)
         res.staged_bytes = staged[0]
         if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
             n = -(-plan.kv_tokens // self.chunk_shape[3])
@@ -395,7 +400,16 @@ class RayRestorer:
             again = self.worker.restore(fix)
             res.recomputed = again.recomputed
             res.timeline += again.timeline
-        return self._finish(ws, plan, res, self.cfg.n_layers)
+        res, _ = self._finish(ws, plan, res, self.cfg.n_layers, whole=[i for i, _enc in whole])
+        # resident after the reply as read (`ModelExecutor._write_back`); out of the staging area first
+        return res, [(i, _owned(enc), enc.nbytes) for i, enc in whole]
+
+    def _resolve_keys(self, keys: list[int]) -> list:
+        """The resident chunks of `keys`: the views kept at `put`, fetched where one is missing."""
+        views = [self.views.get(k) for k in keys]
+        missing = [k for k, v in zip(keys, views) if v is None]
+        fetched = iter(resolve_chunks([self.held[k] for k in missing]) if missing else ())
+        return [v if v is not None else next(fetched) for v in views]
 
     def _batches(self, refs, ctx: str, loads: list[int], staged: list[int]):
         """The IO worker's batches, fetched and taken out of the staging area; if the worker stops
@@ -419,7 +433,7 @@ class RayRestorer:
             chunks, more = self.io.read(ctx, rest)
             yield ChunkBatch(-1, list(chunks.items()), {**failed, **more}, t, time.monotonic())
 
-    def _finish(self, ws, plan, res, size):
+    def _finish(self, ws, plan, res, size, whole: list[int] = ()):
         reads = [(a, b) for what, _g, a, b in res.timeline if what == "read"]
         if reads and res.loaded_bytes:
             self.read_rate.observe(sum(b - a for a, b in reads), res.loaded_bytes)
@@ -428,8 +442,15 @@ class RayRestorer:
                 self.handover.observe(b - a)
         res.timeline.append(("group_layers", size, 0.0, 0.0))
         ws.missing = set()
-        plan.recompute = sorted(set(plan.recompute) | set(res.failed) | {i for i, _, _ in plan.load})
-        return res, []  # loaded chunks are re-encoded from the working set after the call
+        # chunks not read whole (layer by layer, or not at all) are encoded from the working set after the call
+        plan.recompute = sorted(set(plan.recompute) | set(res.failed) | ({i for i, _, _ in plan.load} - set(whole)))
+        return res, []
+
+
+def _owned(enc: codecs.EncodedChunk) -> codecs.EncodedChunk:
+    """`enc` with a payload of its own (a staged one is a view of the staging area, which the next
+    restore overwrites; copying costs far less than encoding it again from the working set)."""
+    return dataclasses.replace(enc, payload=np.array(enc.payload))
 
 
 def per_ref_seconds(io_handle, n: int = 32) -> float:
@@ -480,6 +501,7 @@ class ExecutorActor(Health):
         self.per_ref_s = per_ref_seconds(io_handle)
         refs = ResidentRefs()
         gov = GovernorStub(gov_handle, refs)
+        refs.rehome = gov.rehome
         restorer = RayRestorer(RecomputeStub(recompute_handle), model.cfg, shm_name, engine.limit, c.chunk_tokens,
                                self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held, refs.views,
                                staging=(self.shm.buf, ws_nbytes, staging) if staging else None)

@@ -19,7 +19,7 @@ import ray
 
 from actors.config import ServiceConfig, prepare_data_dir
 from actors.ray_actors import HEALTH_GROUPS, ExecutorActor, GovernorActor, IOActor, RecomputeActor
-from actors.ray_stubs import ExecutorStub, GovernorStub, resolve, resolve_call_item
+from actors.ray_stubs import ExecutorStub, GovernorStub, resolve_call_item, resolve_chunks
 from actors.messages import KVKey
 from actors.service import WEIGHT_FORMAT, ContextService, components
 
@@ -67,7 +67,7 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
     io = _actor(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
         str(Path(config.data_dir) / "chunks"), KVKey(resolved.fingerprint, WEIGHT_FORMAT).record_tag(), parts.store,
-        config.data_dir, resolve=resolve)
+        config.data_dir, resolve=resolve_chunks)
     gov = _actor(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
         config, parts, io, resolved.fingerprint)
     recompute = _actor(RecomputeActor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(

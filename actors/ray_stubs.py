@@ -22,9 +22,11 @@ from actors.messages import CallInterruptedError, CallPlan, CommitReply, PoolRef
 from storage import codecs
 
 
-def resolve(h):
-    """The value behind a handle: a `PoolRef`'s or an object ref's object, fetched."""
-    return ray.get(h.ref if isinstance(h, PoolRef) else h)
+def resolve_chunks(handles: list[PoolRef]) -> list[codecs.EncodedChunk]:
+    """The chunks behind resident handles, in order; each object they are in is fetched once."""
+    refs = list({h.ref: None for h in handles})
+    objects = dict(zip(refs, ray.get(refs)))
+    return [objects[h.ref][h.index] for h in handles]
 
 
 def resolve_call_item(ref):
@@ -38,17 +40,33 @@ def resolve_call_item(ref):
 
 
 class ResidentRefs:
-    """The executor's object refs of the chunks it put, by `PoolRef.key`, each with a zero-copy view
-    of the object (its arrays map the object store's memory), dropped as the governor releases them.
+    """The executor's handles of the chunks it put, by `PoolRef.key`, each with a zero-copy view of
+    the chunk (its arrays map the object store's memory), dropped as the governor releases them. The
+    chunks of one `put` are one object, freed once the last of them is dropped.
 
     Dropping an object costs ~0.1-0.2 ms (the object store frees it), and a switch that evicts room
     for a large load releases many chunks, so the drops wait for the next `put` (the call's
     write-back, after the reply), which frees them before it puts anything new: the object store
-    never holds both the evicted chunks and their replacements."""
+    never holds both the evicted chunks and their replacements.
+
+    `put` puts its chunks `OBJECT_CHUNKS` to an object: one object-store allocation costs about as
+    much as copying a few hundred KB, so one per chunk made a write-back's puts cost several times its
+    encoding. An object lives while any of its chunks is resident, so released chunks leave holes:
+    `put` puts the resident chunks of the sparsest objects again with the new ones until the holes
+    are at most `MAX_HOLES` of the resident bytes, and tells the governor their new handles
+    (`rehome`); the old objects are freed once nothing holds them (a write in flight may, until it
+    ends). Small objects keep that re-packing small."""
+
+    OBJECT_CHUNKS = 16
+    MAX_HOLES = 0.25
 
     def __init__(self) -> None:
-        self.held: dict[int, Any] = {}
+        self.held: dict[int, PoolRef] = {}
         self.views: dict[int, codecs.EncodedChunk] = {}
+        self.sizes: dict[bytes, int] = {}
+        """Object id (`ObjectRef.binary()`, which holds nothing) -> bytes of the chunks put in it."""
+        self.rehome: Callable[[list[PoolRef]], None] = lambda handles: None
+        """Where the new handles of chunks put again go (`GovernorStub.rehome`)."""
         self._dropped: list = []  # released refs and views, freed by the next `put`
         self._next_key = 0
         self._epoch: str | None = None
@@ -58,15 +76,50 @@ class ResidentRefs:
         with self._lock:
             dropped, self._dropped = self._dropped, []
         del dropped  # the object store frees them here
-        refs = [ray.put(enc) for enc in encs]
-        views = ray.get(refs)  # one fetch for all: cheaper than one by one
-        out = []
+        if not encs:
+            return []
         with self._lock:
-            for ref, view in zip(refs, views):
+            moving = self._sparse()
+        chunks = list(encs) + [view for _key, view in moving]
+        n = self.OBJECT_CHUNKS
+        objects = [ray.put(chunks[a:a + n]) for a in range(0, len(chunks), n)]
+        slots = [(ref, index, view) for ref, views in zip(objects, ray.get(objects)) for index, view in enumerate(views)]
+        out, moved = [], []
+        with self._lock:
+            for ref in objects:
+                self.sizes[ref.binary()] = 0
+            for ref, _index, view in slots:
+                self.sizes[ref.binary()] += view.nbytes
+            for ref, index, view in slots[:len(encs)]:
                 self._next_key += 1
-                self.held[self._next_key], self.views[self._next_key] = ref, view
-                out.append(PoolRef(self._next_key, ref))
+                handle = PoolRef(self._next_key, ref, index)
+                self.held[self._next_key], self.views[self._next_key] = handle, view
+                out.append(handle)
+            for (key, _old), (ref, index, view) in zip(moving, slots[len(encs):]):
+                if key in self.held:  # not released meanwhile
+                    self.held[key], self.views[key] = PoolRef(key, ref, index), view
+                    moved.append(self.held[key])
+        if moved:
+            self.rehome(moved)
         return out
+
+    def _sparse(self) -> list[tuple[int, codecs.EncodedChunk]]:
+        """(key, view) of the resident chunks to put again: those of the sparsest objects, until the
+        rest hold at most `MAX_HOLES` of the resident bytes in holes. Forgets objects left empty."""
+        live: dict[bytes, list[tuple[int, codecs.EncodedChunk]]] = {}
+        for key, handle in self.held.items():
+            live.setdefault(handle.ref.binary(), []).append((key, self.views[key]))
+        self.sizes = {oid: n for oid, n in self.sizes.items() if oid in live}
+        used = {oid: sum(v.nbytes for _k, v in chunks) for oid, chunks in live.items()}
+        holes = sum(self.sizes[oid] - used[oid] for oid in live)
+        budget = self.MAX_HOLES * sum(used.values())
+        moving = []
+        for oid in sorted(live, key=lambda o: used[o] / self.sizes[o]):
+            if holes <= budget:
+                break
+            holes -= self.sizes[oid] - used[oid]
+            moving += live[oid]
+        return moving
 
     def drop_released(self, released: list[int], epoch: str) -> None:
         """Drop what the governor released; forget everything when it is a new governor process."""
@@ -75,6 +128,7 @@ class ResidentRefs:
                 if self._epoch is not None:
                     self.held.clear()
                     self.views.clear()
+                    self.sizes.clear()
                 self._epoch = epoch
             for key in released:
                 self._dropped += (self.held.pop(key, None), self.views.pop(key, None))
@@ -138,6 +192,10 @@ class GovernorStub:
 
     def loaded(self, ctx: str, chunks: list[tuple[int, Any, int]]) -> None:
         self._unwrap(retry.call(self.handle.loaded, ctx, chunks))
+
+    def rehome(self, handles: list[PoolRef]) -> None:
+        """Tell the governor the new handles of resident chunks put again (`ResidentRefs.put`)."""
+        self._unwrap(retry.call(self.handle.rehome, handles))
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,

@@ -114,6 +114,8 @@ class RecomputeWorker:
         worker's stream of layer groups as it reads them."""
         import ray
 
+        from actors.ray_stubs import resolve_chunks
+
         ws = self._attach(req.shm_name, req.capacity)
         staged = [0]
         items = ()
@@ -123,7 +125,7 @@ class RecomputeWorker:
             area = (np.ndarray(req.staging[1], np.uint8, buffer=self.shm.buf, offset=req.staging[0])
                     if staging is not None else None)
             items = (_unstaged_group(ray.get(ref), area, staged) for ref in refs)
-        res, _whole = restore(ws, req, items, model=self.model, resolve=ray.get)
+        res, _whole = restore(ws, req, items, model=self.model, resolve=resolve_chunks)
         res.staged_bytes = staged[0]
         return res
 

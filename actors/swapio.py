@@ -3,8 +3,8 @@
 A plain class around `storage.ChunkStore`; `actors.service` makes it a Ray actor that requests no CPU.
 Reads for a restore come out per layer group (`read_groups`) or as batches of whole chunks
 (`read_batches`); both are generators, under Ray streaming generators, so a consumer gets group or
-batch `k` while `k+1` is still being read. Writes take resident handles; `resolve` turns a handle
-into an `EncodedChunk` (identity in one process, `ray.get` under Ray).
+batch `k` while `k+1` is still being read. Writes take resident handles; `resolve` turns a list of
+handles into their `EncodedChunk`s (identity in one process, `ray_stubs.resolve_chunks` under Ray).
 
 `read_batches` and `read_groups` can copy the chunks they read into a staging area, a range of a
 shared-memory segment the consumer created (on Ray, the tail of the executor's working-set segment),
@@ -163,7 +163,7 @@ class KVSwapIO:
         fingerprint: str,
         config: ChunkStoreConfig | None = None,
         *,
-        resolve: Callable[[Any], EncodedChunk] = lambda h: h,
+        resolve: Callable[[list[Any]], list[EncodedChunk]] = list,
     ) -> None:
         self.store = ChunkStore(root, config, fingerprint=fingerprint)
         self.resolve = resolve
@@ -187,7 +187,8 @@ class KVSwapIO:
         """Write chunks (index, handle, first token) crash-safely, one pack per run of consecutive
         indices (`ChunkStore.write_many`); returns name/nbytes/checksum each, in order."""
         t0 = time.monotonic()
-        metas = self.store.write_many(ctx, [(i, self.resolve(h), t) for i, h, t in todo])
+        encs = self.resolve([h for _i, h, _t in todo])
+        metas = self.store.write_many(ctx, [(i, enc, t) for (i, _h, t), enc in zip(todo, encs)])
         out = [{"name": m.name, "nbytes": m.nbytes, "checksum": m.checksum} for m in metas]
         nbytes = sum(o["nbytes"] for o in out)
         self.bytes_written += nbytes

@@ -217,26 +217,76 @@ class GatedGovernor(FakeGovernor):
         self.pending.discard(ctx)
 
 
+class StreamedEngine(FakeEngine):
+    """A fake engine whose streams set `streamed` once they have produced their last token."""
+
+    def __init__(self) -> None:
+        import threading
+
+        super().__init__()
+        self.streamed = threading.Event()
+
+    def stream(self, ectx, prompt, **params):
+        inner = super().stream(ectx, prompt, **params)
+        engine = self
+
+        class Stream:
+            result = None
+
+            def __iter__(self):
+                yield from inner
+                self.result = inner.result
+                engine.streamed.set()
+
+        return Stream()
+
+
 def test_with_overlap_a_call_waits_for_the_last_write_back_only_until_it_has_encoded():
     """`overlap_admit`: the next call on another context goes on while the last call's admit is still
-    under way (it waited only for the encoding, which reads the working set); a call on the same
-    context waits for all of it (the admit unlocks that context)."""
+    under way (it waited only for the encoding, which reads the working set)."""
     import threading
 
     gov = GatedGovernor()
     ex = ModelExecutor(FakeEngine(), gov, FakeRestorer(), background=True, overlap_admit=True)
     a, b = ex.new_ctx("app", "Be brief."), ex.new_ctx("app", "Be brief.")
-    run(ex.call("app", a, "Hi."))
-    assert gov.admitting.wait(60)  # a's write-back has encoded and waits in its admit
-    done = threading.Thread(target=lambda: run(ex.call("app", b, "Hi.")))
-    done.start()
-    done.join(60)  # a guard against a hang only: without overlap this call would wait for the gate
-    assert not done.is_alive()
-    assert [e for e in gov.log if isinstance(e, tuple)] == []  # a's admit is still waiting
-    again = threading.Thread(target=lambda: run(ex.call("app", b, "Again.")))  # b's admit is pending too
-    again.start()
-    gov.gate.set()
-    again.join(60)
-    assert not again.is_alive() and gov.early == []  # it began only once b's admit was done
+    try:
+        run(ex.call("app", a, "Hi."))
+        assert gov.admitting.wait(60)  # a's write-back has encoded and waits in its admit
+        done = threading.Thread(target=lambda: run(ex.call("app", b, "Hi.")))
+        done.start()
+        done.join(60)  # a guard against a hang only: without overlap this call would wait for the gate
+        assert not done.is_alive()
+        assert [e for e in gov.log if isinstance(e, tuple)] == []  # a's admit is still waiting
+    finally:
+        gov.gate.set()
     ex.flush()
-    assert [e for e in gov.log if isinstance(e, tuple)] == [("admit", 1)] * 2 + [("admit", 2)]
+    assert [e for e in gov.log if isinstance(e, tuple)] == [("admit", 1)] * 2
+
+
+def test_with_overlap_the_next_call_on_the_held_context_takes_the_lock_after_the_last_admit():
+    """`overlap_admit`, a call on the context the working set holds: the model runs while the last
+    call's admit (which releases the context's lock) is still under way; the call asks for the lock
+    only once that admit is done, and commits after it."""
+    import threading
+
+    gov, engine = GatedGovernor(), StreamedEngine()
+    ex = ModelExecutor(engine, gov, FakeRestorer(), background=True, overlap_admit=True)
+    b = ex.new_ctx("app", "Be brief.")
+    outcome = []
+    try:
+        run(ex.call("app", b, "Hi."))
+        assert gov.admitting.wait(60)  # b's write-back has encoded and waits in its admit
+        engine.streamed.clear()
+        again = threading.Thread(target=lambda: outcome.append(run(ex.call("app", b, "Again."))))
+        again.start()
+        assert engine.streamed.wait(60)  # the model ran while b's admit still waited at the gate
+        assert again.is_alive() and gov.log.count("commit_call") == 1 and gov.early == []
+    finally:
+        gov.gate.set()
+    again.join(60)
+    assert not again.is_alive() and gov.early == []  # it asked for the lock once b's admit was done
+    assert outcome[0][1].hit
+    ex.flush()
+    log = [e for e in gov.log if e != "record_restore"]
+    assert log == ["begin_call", "commit_call", ("admit", 1), "begin_cached_call", "confirm", "commit_call",
+                   ("admit", 2)]

@@ -41,7 +41,7 @@ def test_a_call_retried_after_its_executor_died_past_the_commit_appends_once(svc
     svc.call(tok, ctx, "Name a fruit.", max_tokens=4)
     before = turns(svc, ctx)
 
-    def die(ctx_id, todo):
+    def die(*_args):
         raise Died()
 
     svc.executor._schedule_write_back = die  # the commit is made, the reply never leaves
