@@ -111,8 +111,9 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
 def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_path):
     # slow storage (8 MB/s) and a profile that makes recomputing some chunks cheaper than reading
     profile = CostProfile.fit([(0, 0.0), (10, 0.15)], [(0, 0.0), (8e6, 1.0)]).to_json()
-    # a shallow token bucket, so that every layer group's read is paced at the throttle
-    svc = start(tmp_path, "llms", "t-pipe", pool_bytes=1 << 20, read_bytes_per_s=8e6, read_burst_bytes=16 << 10,
+    # no burst: every layer group's read is paced at the throttle (a bucket deeper than a group, which
+    # refills while the previous group is recomputed, let reads end before any recompute began)
+    svc = start(tmp_path, "llms", "t-pipe", pool_bytes=1 << 20, read_bytes_per_s=8e6, read_burst_bytes=0,
                 profile=profile)
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
@@ -273,11 +274,11 @@ def test_executor_dying_between_commit_and_reply_appends_the_retried_turn_once(r
             super().__init__(*args, **kw)
             schedule = self.ex._schedule_write_back  # the step right after the commit
 
-            def die_once(ctx, todo):
+            def die_once(*args):
                 if not marker.exists():
                     marker.write_text("")
                     os._exit(1)
-                schedule(ctx, todo)
+                schedule(*args)
 
             self.ex._schedule_write_back = die_once
 
@@ -301,3 +302,34 @@ def test_executor_dying_between_commit_and_reply_appends_the_retried_turn_once(r
     svc.call(tok, ctx, "Name a colour.", request_id="r-2", max_tokens=4)  # another id: another turn
     assert len(svc.describe(tok, ctx)["turns"]) == len(committed) + 2
     svc.close()
+
+
+def test_resident_chunks_are_put_a_few_to_an_object_and_repacked_past_the_holes(ray_cluster):
+    """`ResidentRefs`: the chunks of one `put` share objects; once released chunks leave holes over
+    `MAX_HOLES` of the resident bytes, the next `put` puts the sparsest objects' resident chunks again
+    and hands their new handles to the governor; every chunk still reads what was put."""
+    import numpy as np
+
+    from actors.ray_stubs import ResidentRefs, resolve_chunks
+    from storage import codecs
+
+    def chunk(seed):
+        return codecs.encode(np.random.default_rng(seed).standard_normal((2, 2, 1, 4, 8), dtype=np.float32), "q8",
+                             dtype="float32")
+
+    refs, rehomed = ResidentRefs(), []
+    refs.rehome = rehomed.extend
+    assert refs.OBJECT_CHUNKS >= 4
+    a = refs.put([chunk(s) for s in range(4)])
+    b = refs.put([chunk(s) for s in range(4, 8)])
+    assert len({h.ref for h in a}) == 1 and len({h.ref for h in b}) == 1 and a[0].ref != b[0].ref
+    assert rehomed == []
+    refs.drop_released([h.key for h in a[:3]], "epoch")  # a keeps one of four: its holes are 3 chunks
+    c = refs.put([chunk(8)])
+    assert [h.key for h in rehomed] == [a[3].key]  # a's last chunk moved in with c's
+    assert rehomed[0].ref == c[0].ref and refs.held[a[3].key] == rehomed[0]
+    live = [refs.held[k] for k in sorted(refs.held)]
+    got = resolve_chunks(live)
+    want = [chunk(s) for s in (3, 4, 5, 6, 7, 8)]
+    assert all(np.array_equal(g.payload, w.payload) for g, w in zip(got, want))
+    assert len({h.ref.binary() for h in live}) == 2  # b, and c with a's last chunk: no holes left
