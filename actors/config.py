@@ -35,9 +35,9 @@ class ServiceConfig:
     overlap_admit: bool = True
     """On Ray: a call waits only until the previous call's write-back has encoded its chunks from the
     working set; the rest (putting them in the object store, the governor's `admit`) overlaps the call.
-    A call on the same context, which the working set holds, asks for the context's lock (which that
-    `admit` releases) once the write-back is done, before its commit. False: a call waits for the
-    whole write-back."""
+    A call on the context the working set holds does not wait even for the encoding (it only appends
+    past the slots encoded), and asks for the context's lock (which that `admit` releases) once the
+    write-back is done, before its commit. False: a call waits for the whole write-back."""
     profile: str = ""
     """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
     model and throttle, then cached (`llmaas profile` re-runs it)."""

@@ -186,6 +186,7 @@ class ModelExecutor:
         self._pending_ctx: str | None = None  # the context of the last write-back scheduled
         self._encoded = threading.Event()  # set once that write-back no longer reads the working set
         self._encoded.set()
+        self._pending_views = False  # that write-back reads views of its chunks taken at the commit
         self.overlap_admit = overlap_admit and background
         self._lock = threading.Lock()
         self._saved: OrderedDict[str, tuple[int, np.ndarray, str, bytes]] = OrderedDict()
@@ -298,7 +299,7 @@ class ModelExecutor:
         with self._lock:
             _check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
-            behind = self._await_write_back(ctx_id)  # inside switch_ms
+            behind = self._await_write_back(ctx_id, app)  # inside switch_ms
             step = self._lock_and_plan(app, ctx_id, behind)
             try:
                 replay = self._committed_outcome(step, request_id)
@@ -407,6 +408,7 @@ class ModelExecutor:
             _check_deadline(deadline, "the call ran past its deadline; its turn was rolled back")
             yield delta
         if ectx.cache is not self.ws:  # an overflow re-prefilled into a new cache: take it over
+            self._encoded.wait()  # the last write-back may still read the slots about to be overwritten
             n = ectx.cache.length
             self.ws.truncate(0)
             self.ws.reserve(n)
@@ -426,19 +428,26 @@ class ModelExecutor:
     def _schedule_write_back(self, ctx: str, todo: dict[int, str], loaded: list | None = None) -> None:
         """Encode and admit the call's chunks after the reply (on the write-back thread when there is one)."""
         encoded = threading.Event()
-        job = lambda: self._write_back(ctx, todo, encoded, loaded or [])  # noqa: E731
+        # on the CPU, views of the chunks' slots as they are now: the next call on this context only
+        # writes past them (`_await_write_back`); elsewhere the write-back copies them itself
+        arrays = {i: self.ws.chunk_array(i) for i in todo} if self.ws.device.type == "cpu" else None
+        job = lambda: self._write_back(ctx, todo, encoded, loaded or [], arrays)  # noqa: E731
         if self._bg is not None:
             self._pending, self._pending_ctx, self._encoded = self._bg.submit(job), ctx, encoded
+            self._pending_views = arrays is not None
         else:
             job()
 
-    def _await_write_back(self, ctx: str) -> bool:
+    def _await_write_back(self, ctx: str, app: str | None) -> bool:
         """Before a call: the last write-back must be done with the working set, and, unless
         `overlap_admit`, done altogether. Returns whether it may still be admitting chunks of `ctx`
         (whose lock its `admit` releases: `_lock_and_plan` waits for it where it must)."""
         if self.overlap_admit and self._pending is not None:
-            self._encoded.wait()
-            return self._pending_ctx == ctx
+            same = self._pending_ctx == ctx
+            held = self._last is not None and self._last[:2] == (ctx, app) and not self.ws.missing
+            if not (same and held and self._pending_views):
+                self._encoded.wait()  # else this call only appends past the slots that write-back reads
+            return same
         self.flush()
         return False
 
@@ -496,15 +505,16 @@ class ModelExecutor:
         return reply.todo
 
     def _write_back(self, ctx: str, todo: dict[int, str], done_reading: threading.Event | None = None,
-                    loaded: list | None = None) -> None:
+                    loaded: list | None = None, arrays: dict | None = None) -> None:
         """Encode the chunks the governor asked for and admit them to the pool (after the reply), with
         the `loaded` chunks the restore read whole (index, encoded chunk, bytes). The chunks are encoded
-        straight from the working set: the next call waits for that part (`done_reading`,
-        `_await_write_back`) before it writes there."""
+        straight from the working set (`arrays`: views of their slots taken at the commit): the next
+        call waits for that part (`done_reading`, `_await_write_back`) before it writes there."""
         try:
             order = sorted(todo.items())
             try:
-                encs = [codecs.encode(self.ws.chunk_array(i), level, dtype=self.level_dtype) for i, level in order]
+                encs = [codecs.encode(arrays[i] if arrays is not None else self.ws.chunk_array(i), level,
+                                      dtype=self.level_dtype) for i, level in order]
             finally:
                 if done_reading is not None:
                     done_reading.set()

@@ -290,3 +290,42 @@ def test_with_overlap_the_next_call_on_the_held_context_takes_the_lock_after_the
     log = [e for e in gov.log if e != "record_restore"]
     assert log == ["begin_call", "commit_call", ("admit", 1), "begin_cached_call", "confirm", "commit_call",
                    ("admit", 2)]
+
+
+def test_with_overlap_the_next_call_on_the_held_context_does_not_wait_for_the_encoding(monkeypatch):
+    """`overlap_admit` on the CPU: the last write-back encodes views of its chunks' slots taken at the
+    commit, and the next call on the same context only appends past them, so its model runs while that
+    encoding is still under way; what the write-back encodes is the chunk as committed."""
+    import threading
+
+    from storage import codecs
+
+    gate, encoding, real = threading.Event(), threading.Event(), codecs.encode
+    seen = []
+
+    def held_encode(kv, level, **kw):
+        encoding.set()
+        assert gate.wait(60)
+        seen.append(np.array(kv))
+        return real(kv, level, **kw)
+
+    monkeypatch.setattr(codecs, "encode", held_encode)
+    gov, engine = FakeGovernor(), StreamedEngine()
+    ex = ModelExecutor(engine, gov, FakeRestorer(), background=True, overlap_admit=True)
+    b = ex.new_ctx("app", "Be brief.")
+    outcome = []
+    try:
+        run(ex.call("app", b, "Hi."))
+        assert encoding.wait(60)  # its write-back is encoding chunk 0, held at the gate
+        committed = np.array(ex.ws.chunk_array(0))
+        engine.streamed.clear()
+        again = threading.Thread(target=lambda: outcome.append(run(ex.call("app", b, "Again."))))
+        again.start()
+        assert engine.streamed.wait(60)  # the model ran while the last write-back still encoded
+    finally:
+        gate.set()
+    again.join(60)
+    ex.flush()
+    assert not again.is_alive() and outcome[0][1].hit
+    assert np.array_equal(seen[0], committed, equal_nan=True)
+    assert [e for e in gov.log if isinstance(e, tuple)] == [("admit", 1), ("admit", 2)]
