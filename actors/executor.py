@@ -299,8 +299,10 @@ class ModelExecutor:
         with self._lock:
             _check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
-            behind = self._await_write_back(ctx_id, app)  # inside switch_ms
+            behind, reading = self._await_write_back(ctx_id, app)  # inside switch_ms
             step = self._lock_and_plan(app, ctx_id, behind)
+            if reading:  # the plan was asked for meanwhile; the restore and the model write the working set
+                self._encoded.wait()
             try:
                 replay = self._committed_outcome(step, request_id)
                 if replay is not None:
@@ -438,18 +440,19 @@ class ModelExecutor:
         else:
             job()
 
-    def _await_write_back(self, ctx: str, app: str | None) -> bool:
-        """Before a call: the last write-back must be done with the working set, and, unless
-        `overlap_admit`, done altogether. Returns whether it may still be admitting chunks of `ctx`
-        (whose lock its `admit` releases: `_lock_and_plan` waits for it where it must)."""
+    def _await_write_back(self, ctx: str, app: str | None) -> tuple[bool, bool]:
+        """Before a call: unless `overlap_admit`, the last write-back must be done altogether (waited
+        for here); else it must be done with the working set before the call writes there. Returns
+        whether it may still be admitting chunks of `ctx` (whose lock its `admit` releases:
+        `_lock_and_plan` waits for it where it must), and whether the call must wait for its
+        encoding (`_encoded`) before writing the working set: not when the working set holds `ctx`
+        and the write-back reads views taken at its commit, since the call only appends past them."""
         if self.overlap_admit and self._pending is not None:
             same = self._pending_ctx == ctx
             held = self._last is not None and self._last[:2] == (ctx, app) and not self.ws.missing
-            if not (same and held and self._pending_views):
-                self._encoded.wait()  # else this call only appends past the slots that write-back reads
-            return same
+            return same, not (same and held and self._pending_views)
         self.flush()
-        return False
+        return False, False
 
     def _restore(self, plan: CallPlan) -> tuple[RestoreStats, list]:
         ws = self.ws

@@ -329,3 +329,39 @@ def test_with_overlap_the_next_call_on_the_held_context_does_not_wait_for_the_en
     assert not again.is_alive() and outcome[0][1].hit
     assert np.array_equal(seen[0], committed, equal_nan=True)
     assert [e for e in gov.log if isinstance(e, tuple)] == [("admit", 1), ("admit", 2)]
+
+
+def test_with_overlap_a_call_on_another_context_plans_while_the_last_write_back_encodes(monkeypatch):
+    """`overlap_admit`, a call on another context: its plan is asked for while the last write-back still
+    encodes from the working set, and its restore (which writes there) waits for that encoding."""
+    import threading
+    import time
+
+    from storage import codecs
+
+    gate, encoding, real = threading.Event(), threading.Event(), codecs.encode
+
+    def held_encode(kv, level, **kw):
+        encoding.set()
+        assert gate.wait(60)
+        return real(kv, level, **kw)
+
+    monkeypatch.setattr(codecs, "encode", held_encode)
+    gov, restorer = GatedGovernor(), FakeRestorer()
+    gov.gate.set()  # admits go through; the encoding is what is held
+    ex = ModelExecutor(FakeEngine(), gov, restorer, background=True, overlap_admit=True)
+    a, b = ex.new_ctx("app", "Be brief."), ex.new_ctx("app", "Be brief.")
+    try:
+        run(ex.call("app", a, "Hi."))
+        assert encoding.wait(60)  # a's write-back is encoding, held at the gate
+        other = threading.Thread(target=lambda: run(ex.call("app", b, "Hi.")))
+        other.start()
+        for _ in range(6000):  # a guard against a hang only: b's plan is asked for while a encodes
+            if gov.log.count("begin_call") == 2:
+                break
+            time.sleep(0.01)
+        assert gov.log.count("begin_call") == 2 and [p.ctx for p in restorer.plans] == [a]
+    finally:
+        gate.set()
+    other.join(60)
+    assert not other.is_alive() and [p.ctx for p in restorer.plans] == [a, b]
