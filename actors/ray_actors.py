@@ -401,8 +401,14 @@ class RayRestorer:
             res.recomputed = again.recomputed
             res.timeline += again.timeline
         res, _ = self._finish(ws, plan, res, self.cfg.n_layers, whole=[i for i, _enc in whole])
-        # resident after the reply as read (`ModelExecutor._write_back`); out of the staging area first
-        return res, [(i, _owned(enc), enc.nbytes) for i, enc in whole]
+        # resident after the reply as read (`ModelExecutor._write_back`, which `keep`s them first)
+        return res, [(i, enc, enc.nbytes) for i, enc in whole]
+
+    @staticmethod
+    def keep(loaded: list) -> list:
+        """`restore`'s loaded chunks with payloads of their own: a staged one is a view of the staging
+        area, which the next restore overwrites (copying costs far less than encoding it again)."""
+        return [(i, dataclasses.replace(enc, payload=np.array(enc.payload)), n) for i, enc, n in loaded]
 
     def _resolve_keys(self, keys: list[int]) -> list:
         """The resident chunks of `keys`: the views kept at `put`, fetched where one is missing."""
@@ -445,12 +451,6 @@ class RayRestorer:
         # chunks not read whole (layer by layer, or not at all) are encoded from the working set after the call
         plan.recompute = sorted(set(plan.recompute) | set(res.failed) | ({i for i, _, _ in plan.load} - set(whole)))
         return res, []
-
-
-def _owned(enc: codecs.EncodedChunk) -> codecs.EncodedChunk:
-    """`enc` with a payload of its own (a staged one is a view of the staging area, which the next
-    restore overwrites; copying costs far less than encoding it again from the working set)."""
-    return dataclasses.replace(enc, payload=np.array(enc.payload))
 
 
 def per_ref_seconds(io_handle, n: int = 32) -> float:
