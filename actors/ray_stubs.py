@@ -41,8 +41,8 @@ def resolve_call_item(ref):
 
 class ResidentRefs:
     """The executor's handles of the chunks it put, by `PoolRef.key`, each with a zero-copy view of
-    the chunk (its arrays map the object store's memory), dropped as the governor releases them. The
-    chunks of one `put` are one object, freed once the last of them is dropped.
+    the chunk (its arrays map the object store's memory), dropped as the governor releases them. An
+    object holds up to `OBJECT_CHUNKS` chunks of one `put` and is freed once the last is dropped.
 
     Dropping an object costs ~0.1-0.2 ms (the object store frees it), and a switch that evicts room
     for a large load releases many chunks, so the drops wait for the next `put` (the call's
