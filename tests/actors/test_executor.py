@@ -189,6 +189,7 @@ class GatedGovernor(FakeGovernor):
         import threading
 
         self.gate, self.admitting, self.pending, self.early = threading.Event(), threading.Event(), set(), []
+        self._planned: dict = {}
         self.n = 0
 
     def new_ctx(self, app, system_prompt, token_ids, text, state):
@@ -199,7 +200,15 @@ class GatedGovernor(FakeGovernor):
     def begin_call(self, ctx, app=None, cached=False, known=None):
         if ctx in self.pending:
             self.early.append(ctx)
-        return super().begin_call(ctx, app, cached, known)
+        plan = super().begin_call(ctx, app, cached, known)
+        self.planned(ctx).set()
+        return plan
+
+    def planned(self, ctx):
+        """Set once `begin_call` on `ctx` has answered."""
+        import threading
+
+        return self._planned.setdefault(ctx, threading.Event())
 
     def begin_cached_call(self, ctx, app):
         if ctx in self.pending:
@@ -241,19 +250,44 @@ class StreamedEngine(FakeEngine):
         return Stream()
 
 
+def call_in_background(ex, ctx: str, prompt: str):
+    """`ex.call` on a thread of its own: (the started thread, the list its (deltas, outcome) goes to)."""
+    import threading
+
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(run(ex.call("app", ctx, prompt))))
+    thread.start()
+    return thread, outcome
+
+
+def hold_encoding(monkeypatch):
+    """Make every chunk encoding wait for a gate: (gate, set once an encoding waits, the arrays encoded)."""
+    import threading
+
+    from storage import codecs
+
+    gate, encoding, seen, real = threading.Event(), threading.Event(), [], codecs.encode
+
+    def held_encode(kv, level, **kw):
+        encoding.set()
+        assert gate.wait(60)
+        seen.append(np.array(kv))
+        return real(kv, level, **kw)
+
+    monkeypatch.setattr(codecs, "encode", held_encode)
+    return gate, encoding, seen
+
+
 def test_with_overlap_a_call_waits_for_the_last_write_back_only_until_it_has_encoded():
     """`overlap_admit`: the next call on another context goes on while the last call's admit is still
     under way (it waited only for the encoding, which reads the working set)."""
-    import threading
-
     gov = GatedGovernor()
     ex = ModelExecutor(FakeEngine(), gov, FakeRestorer(), background=True, overlap_admit=True)
     a, b = ex.new_ctx("app", "Be brief."), ex.new_ctx("app", "Be brief.")
     try:
         run(ex.call("app", a, "Hi."))
         assert gov.admitting.wait(60)  # a's write-back has encoded and waits in its admit
-        done = threading.Thread(target=lambda: run(ex.call("app", b, "Hi.")))
-        done.start()
+        done, _outcome = call_in_background(ex, b, "Hi.")
         done.join(60)  # a guard against a hang only: without overlap this call would wait for the gate
         assert not done.is_alive()
         assert [e for e in gov.log if isinstance(e, tuple)] == []  # a's admit is still waiting
@@ -267,18 +301,14 @@ def test_with_overlap_the_next_call_on_the_held_context_takes_the_lock_after_the
     """`overlap_admit`, a call on the context the working set holds: the model runs while the last
     call's admit (which releases the context's lock) is still under way; the call asks for the lock
     only once that admit is done, and commits after it."""
-    import threading
-
     gov, engine = GatedGovernor(), StreamedEngine()
     ex = ModelExecutor(engine, gov, FakeRestorer(), background=True, overlap_admit=True)
     b = ex.new_ctx("app", "Be brief.")
-    outcome = []
     try:
         run(ex.call("app", b, "Hi."))
         assert gov.admitting.wait(60)  # b's write-back has encoded and waits in its admit
         engine.streamed.clear()
-        again = threading.Thread(target=lambda: outcome.append(run(ex.call("app", b, "Again."))))
-        again.start()
+        again, outcome = call_in_background(ex, b, "Again.")
         assert engine.streamed.wait(60)  # the model ran while b's admit still waited at the gate
         assert again.is_alive() and gov.log.count("commit_call") == 1 and gov.early == []
     finally:
@@ -296,31 +326,16 @@ def test_with_overlap_the_next_call_on_the_held_context_does_not_wait_for_the_en
     """`overlap_admit` on the CPU: the last write-back encodes views of its chunks' slots taken at the
     commit, and the next call on the same context only appends past them, so its model runs while that
     encoding is still under way; what the write-back encodes is the chunk as committed."""
-    import threading
-
-    from storage import codecs
-
-    gate, encoding, real = threading.Event(), threading.Event(), codecs.encode
-    seen = []
-
-    def held_encode(kv, level, **kw):
-        encoding.set()
-        assert gate.wait(60)
-        seen.append(np.array(kv))
-        return real(kv, level, **kw)
-
-    monkeypatch.setattr(codecs, "encode", held_encode)
+    gate, encoding, seen = hold_encoding(monkeypatch)
     gov, engine = FakeGovernor(), StreamedEngine()
     ex = ModelExecutor(engine, gov, FakeRestorer(), background=True, overlap_admit=True)
     b = ex.new_ctx("app", "Be brief.")
-    outcome = []
     try:
         run(ex.call("app", b, "Hi."))
         assert encoding.wait(60)  # its write-back is encoding chunk 0, held at the gate
         committed = np.array(ex.ws.chunk_array(0))
         engine.streamed.clear()
-        again = threading.Thread(target=lambda: outcome.append(run(ex.call("app", b, "Again."))))
-        again.start()
+        again, outcome = call_in_background(ex, b, "Again.")
         assert engine.streamed.wait(60)  # the model ran while the last write-back still encoded
     finally:
         gate.set()
@@ -334,19 +349,7 @@ def test_with_overlap_the_next_call_on_the_held_context_does_not_wait_for_the_en
 def test_with_overlap_a_call_on_another_context_plans_while_the_last_write_back_encodes(monkeypatch):
     """`overlap_admit`, a call on another context: its plan is asked for while the last write-back still
     encodes from the working set, and its restore (which writes there) waits for that encoding."""
-    import threading
-    import time
-
-    from storage import codecs
-
-    gate, encoding, real = threading.Event(), threading.Event(), codecs.encode
-
-    def held_encode(kv, level, **kw):
-        encoding.set()
-        assert gate.wait(60)
-        return real(kv, level, **kw)
-
-    monkeypatch.setattr(codecs, "encode", held_encode)
+    gate, encoding, _seen = hold_encoding(monkeypatch)
     gov, restorer = GatedGovernor(), FakeRestorer()
     gov.gate.set()  # admits go through; the encoding is what is held
     ex = ModelExecutor(FakeEngine(), gov, restorer, background=True, overlap_admit=True)
@@ -354,13 +357,9 @@ def test_with_overlap_a_call_on_another_context_plans_while_the_last_write_back_
     try:
         run(ex.call("app", a, "Hi."))
         assert encoding.wait(60)  # a's write-back is encoding, held at the gate
-        other = threading.Thread(target=lambda: run(ex.call("app", b, "Hi.")))
-        other.start()
-        for _ in range(6000):  # a guard against a hang only: b's plan is asked for while a encodes
-            if gov.log.count("begin_call") == 2:
-                break
-            time.sleep(0.01)
-        assert gov.log.count("begin_call") == 2 and [p.ctx for p in restorer.plans] == [a]
+        other, _outcome = call_in_background(ex, b, "Hi.")
+        assert gov.planned(b).wait(60)  # b's plan was asked for while a's write-back encodes
+        assert [p.ctx for p in restorer.plans] == [a]
     finally:
         gate.set()
     other.join(60)
