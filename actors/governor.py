@@ -395,7 +395,7 @@ class MemoryGovernor:
         current = [book.chunks[i].level if i in book.chunks else None for i in range(n_chunks)]
         pinned = [i for i in range(n_chunks) if i in book.chunks and book.chunks[i].pinned_exact]
         plan = self.planner.plan(chunk_density[:n_chunks], current, partial_last=partial, pinned=pinned,
-                                 room=self.room(ctx))
+                                 room=self.room())
         todo = {}
         for i in range(n_chunks):
             ch = book.chunks.get(i)
@@ -405,9 +405,9 @@ class MemoryGovernor:
                 ch.density = float(chunk_density[i])
         return CommitReply(todo, book.version)
 
-    def room(self, ctx: str) -> float | None:
+    def room(self) -> float | None:
         """The mean compression ratio the pool allows now (None when `raw_chunk_bytes` is unknown):
-        the pool against the raw bytes of every context with K/V (`ctx` included), times raw's ratio
+        the pool against the raw bytes of every context with K/V, times raw's ratio
         (4 for float32). At or above raw's ratio there is no pressure; the compression planner never
         goes below the policy's configured ratio whatever this says. Every context, not only those
         with chunks in the pool now: counting those alone made the measure rise and fall as contexts

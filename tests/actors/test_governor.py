@@ -190,16 +190,16 @@ def test_chunks_stay_raw_while_the_contexts_in_the_pool_fit_at_raw(tmp_path):
                   {i: i * CHUNK for i in reply.todo})
         return [gov.books[ctx].chunks[i].level for i in range(n)]
 
-    assert gov.room(ctxs[0]) is None  # no chunks yet: nothing to weigh
+    assert gov.room() is None  # no chunks yet: nothing to weigh
     assert call(ctxs[0], 8 * CHUNK) == ["raw"] * 8  # 8 raw chunks fill the pool exactly: no pressure
-    assert gov.room(ctxs[0]) == 4.0
+    assert gov.room() == 4.0
     second = call(ctxs[1], 8 * CHUNK)  # 16 chunks at raw in a pool of 8: the mean ratio may be 2
     assert set(second) == {"raw", "q8"} and sum(BITS[lv] for lv in second) / 8 / len(second) <= 2.0
     for c in ctxs[2:]:
         levels = call(c, 16 * CHUNK)
-        assert sum(BITS[lv] for lv in levels) / 8 / len(levels) <= max(gov.room(c), 0.5) + 1e-9
+        assert sum(BITS[lv] for lv in levels) / 8 / len(levels) <= max(gov.room(), 0.5) + 1e-9
     # every context with K/V weighs in, in the pool or on disk: 8 + 8 + 16 + 16 chunks
-    assert gov.room(ctxs[0]) == gov.room(ctxs[3]) == 4.0 * 8 / 48
+    assert gov.room() == 4.0 * 8 / 48
     assert call(ctxs[3], 16 * CHUNK)  # a new version: planned at that bound
     reg.close()
 
