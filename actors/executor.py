@@ -346,23 +346,20 @@ class ModelExecutor:
         while the call runs (`begin_cached_call`): it is checked before the commit. `behind`: this
         context's last write-back is still admitting (`_await_write_back`), so it still holds the
         lock: the lock is asked for once that write-back is done, before the commit."""
-        cached = self.ws_ctx == ctx_id and not self.ws.missing
-        last = self._last if cached and self._last[1] == app else None
-        if last is not None and behind:
-            def confirm() -> None:
-                self.flush()
-                self.gov.begin_cached_call(ctx_id, app)()
-
+        held = self._held(ctx_id, app)
+        if held is not None:
+            if behind:
+                def confirm() -> None:
+                    self.flush()
+                    self.gov.begin_cached_call(ctx_id, app)()
+            else:
+                confirm = self.gov.begin_cached_call(ctx_id, app)
             plan = CallPlan(ctx=ctx_id, token_ids=np.zeros(0, np.int32), state=None, density=b"",
                             kv_tokens=self.ws.length, resident=[], load=[], recompute=[])
-            return _Step(plan, cached, last[2], confirm)
+            return _Step(plan, True, held, confirm)
         if behind:  # not a call the working set answers: wait for the lock as before
             self.flush()
-        if last is not None:
-            confirm = self.gov.begin_cached_call(ctx_id, app)
-            plan = CallPlan(ctx=ctx_id, token_ids=np.zeros(0, np.int32), state=None, density=b"",
-                            kv_tokens=self.ws.length, resident=[], load=[], recompute=[])
-            return _Step(plan, cached, last[2], confirm)
+        cached = self.ws_ctx == ctx_id and not self.ws.missing
         saved = self._saved.get(ctx_id)
         plan = self.gov.begin_call(ctx_id, app, cached=cached, known=saved[0] if saved else None)
         if plan.reused:
@@ -372,6 +369,12 @@ class ModelExecutor:
                                    "executor does not hold")
             _v, plan.token_ids, plan.state, plan.density = saved
         return _Step(plan, cached, None, None)
+
+    def _held(self, ctx: str, app: str | None) -> LiveContext | None:
+        """The engine context of `ctx` when the working set holds it whole from this app's last call."""
+        if self._last is not None and self._last[:2] == (ctx, app) and not self.ws.missing:
+            return self._last[2]
+        return None
 
     def _committed_outcome(self, step: "_Step", request_id: str | None) -> CallOutcome | None:
         """The outcome of the call `request_id` names when the context's last commit was that call."""
@@ -454,8 +457,7 @@ class ModelExecutor:
         and the write-back reads views taken at its commit, since the call only appends past them."""
         if self.overlap_admit and self._pending is not None:
             same = self._pending_ctx == ctx
-            held = self._last is not None and self._last[:2] == (ctx, app) and not self.ws.missing
-            return same, not (same and held and self._pending_views)
+            return same, not (same and self._held(ctx, app) is not None and self._pending_views)
         self.flush()
         return False, False
 
