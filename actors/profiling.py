@@ -113,11 +113,17 @@ class ProfileCache:
 
 def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKENS, progress: bool = True) -> CostProfile:
     """Profile `model` (an `engine.model.Transformer`) with chunk files under a scratch directory."""
+    import torch
+
     c = model.engine_cfg.chunk_tokens
     rng = np.random.default_rng(0)
     ids = rng.integers(100, min(model.cfg.vocab_size, 30000), tokens).tolist()
     cache = model.new_cache(tokens)
     model.forward(cache, ids)
+
+    def sync() -> None:  # off the CPU the device runs behind the host: time what it did, not the launch
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)
     n = cache.n_chunks
     rec = []
     cache.drop_chunk(n - 1)
@@ -126,8 +132,10 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
         chunks = list(range(n - x, n))
         for i in chunks:
             cache.drop_chunk(i)
+        sync()
         t = time.perf_counter()
         model.recompute(cache, ids, chunks)
+        sync()
         rec.append((x, time.perf_counter() - t))
         if progress:
             print(f"llmaas profile: recompute {x} chunks {rec[-1][1] * 1000:.0f} ms", file=sys.stderr)
@@ -140,8 +148,9 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
             s, e = cache.chunk_range(i)
             if kv is not None:
                 codecs.decode(enc, out=kv[:, :, :, s:e])
-            else:
-                codecs.decode(enc)
+            else:  # as a restore does off the CPU: decoded on the host, copied in
+                cache.put_chunk(i, codecs.decode(enc))
+        sync()
 
     with tempfile.TemporaryDirectory() as tmp:
         store = ChunkStore(tmp, ChunkStoreConfig(read_bytes_per_s=read_bytes_per_s, fsync=False), fingerprint="profile")
@@ -170,11 +179,14 @@ def _median_of_3(fn) -> float:
     return sorted(times)[1]
 
 
-def profile_key(fingerprint: str, threads: int, chunk_tokens: int, read_bytes_per_s: float) -> ProfileKey:
+def profile_key(fingerprint: str, threads: int, chunk_tokens: int, read_bytes_per_s: float,
+                device: str = "cpu", dtype: str = "float32") -> ProfileKey:
     """The cache identity of a profile (this machine is part of `ProfileKey.local`). The thread count
-    is part of it (a 1-thread recompute worker costs twice a 2-thread one), so is the chunk size
-    (T_re counts chunks, T_dec costs a chunk) and PROFILE_VERSION."""
-    return ProfileKey.local(f"{fingerprint}-t{threads}-c{chunk_tokens}-v{PROFILE_VERSION}", read_bytes_per_s)
+    is part of it (a 1-thread recompute worker costs twice a 2-thread one), so are the chunk size
+    (T_re counts chunks, T_dec costs a chunk), the device and compute dtype the model runs in, and
+    PROFILE_VERSION."""
+    where = "" if (device, dtype) == ("cpu", "float32") else f"-{device}-{dtype}"
+    return ProfileKey.local(f"{fingerprint}-t{threads}-c{chunk_tokens}{where}-v{PROFILE_VERSION}", read_bytes_per_s)
 
 
 def load_or_measure(model, fingerprint: str, *, read_bytes_per_s: float = 0.0, refresh: bool = False,
@@ -183,7 +195,8 @@ def load_or_measure(model, fingerprint: str, *, read_bytes_per_s: float = 0.0, r
     import torch
 
     cache = ProfileCache(root or cache_root() / "profiles")
-    key = profile_key(fingerprint, torch.get_num_threads(), model.engine_cfg.chunk_tokens, read_bytes_per_s)
+    key = profile_key(fingerprint, torch.get_num_threads(), model.engine_cfg.chunk_tokens, read_bytes_per_s,
+                      model.device.type, str(model.dtype).removeprefix("torch."))
     prof = None if refresh else cache.get(key)
     if prof is None:
         prof = measure(model, read_bytes_per_s=read_bytes_per_s, progress=progress)

@@ -133,7 +133,7 @@ class ContextEngine:
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.contexts: dict[str, LiveContext] = {}
-        self.fingerprint = ""
+        self.fingerprint = model.fingerprint
         """Identity of the loaded weights (see `engine.loader.ResolvedModel`)."""
 
     @classmethod
@@ -144,7 +144,6 @@ class ContextEngine:
         resolved = resolve_model(model_path, progress=progress)
         model = Transformer.from_directory(resolved.directory, config, fingerprint=resolved.fingerprint)
         engine = cls(model, ChatTokenizer(resolved.directory), config)
-        engine.fingerprint = resolved.fingerprint
         model.warmup()
         return engine
 

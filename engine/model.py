@@ -237,6 +237,8 @@ class Transformer:
         """Query rows computed by `forward` (prefill and decode), a counter for tests and metrics."""
         self.recomputed_rows = 0
         """Query rows computed by recompute."""
+        self.fingerprint = ""
+        """Identity of the weights when loaded from a resolved model (`engine.loader.ResolvedModel`)."""
 
     @classmethod
     def from_directory(
@@ -258,7 +260,9 @@ class Transformer:
         else:
             fused = fuse_hf(read_safetensors(Path(directory)), cfg)
         weights = load_weights(fused, cfg, device, dtype)
-        return cls(cfg, weights, engine_cfg)
+        model = cls(cfg, weights, engine_cfg)
+        model.fingerprint = fingerprint or ""
+        return model
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         return KVCache(
