@@ -8,6 +8,38 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Tuning:
+    """Optimisations that exist for speed alone, each switchable here (True: on). What each buys,
+    measured with it on and off in alternated rounds (`python -m bench.switching --ab NAME`), is one
+    line of docs/benchmarks.md, "Tuning at the edge"; the staging area is `ServiceConfig.staging_bytes`."""
+
+    streaming_stores: bool = True
+    """De-quantize a restore of `actors.restore.STREAM_MIN_BYTES` or more with non-temporal stores."""
+    version_reuse: bool = True
+    """The executor keeps its last commits' token ids and state; a plan leaves them out while they are
+    current. Off: every plan carries them."""
+    heap_freeze: bool = True
+    """Each actor freezes the objects of its start (`storage.heap.freeze_startup_objects`), so no full
+    garbage collection walks them during a call."""
+    heap_retain: bool = True
+    """Each actor keeps freed heap memory for reuse (`storage.heap.retain_freed_memory`; the
+    `LLMAAS_HEAP_RETAIN_MIB` variable still sets or disables it when on)."""
+    handover_sizing: bool = True
+    """On Ray: layer groups and batches sized with the hand-over cost observed in recent restores
+    (`scheduler.pipeline.HandoverCost`). Off: with the idle cost measured at start."""
+    plan_keys: bool = True
+    """On Ray: a plan names resident chunks by key, which the executor maps back to the object refs it
+    holds. Off: the plan carries the handles, refs included."""
+    object_chunks: int = 16
+    """On Ray: resident chunks put to one object-store object (`actors.ray_stubs.ResidentRefs`); 1: an
+    object per chunk."""
+
+    def __post_init__(self) -> None:
+        if self.object_chunks < 1:
+            raise ValueError(f"object_chunks must be >= 1, got {self.object_chunks!r}")
+
+
+@dataclass(slots=True)
 class ServiceConfig:
     data_dir: str = field(default_factory=lambda: os.environ.get("LLMAAS_DATA_DIR", "./data"))
     """Registry and chunk files live here."""
@@ -38,9 +70,57 @@ class ServiceConfig:
     A call on the context the working set holds does not wait even for the encoding (it only appends
     past the slots encoded), and asks for the context's lock (which that `admit` releases) once the
     write-back is done, before its commit. False: a call waits for the whole write-back."""
+    tuning: Tuning = field(default_factory=Tuning)
+    """Speed-only optimisations, each switchable (`Tuning`)."""
     profile: str = ""
     """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
     model and throttle, then cached (`llmaas profile` re-runs it)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tuning, dict):  # from a config file or a Serve application's arguments
+            self.tuning = tuning_from(self.tuning)
+
+
+def tuning_from(options: dict) -> Tuning:
+    """`Tuning` from a mapping of its field names (values as booleans, numbers or their strings, as a
+    config file or `serve run ... tuning.NAME=VALUE` gives them); unknown names are an error."""
+    from dataclasses import fields
+
+    known = {f.name: f for f in fields(Tuning)}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown tuning options {unknown}; valid: {sorted(known)}")
+    out = {}
+    for name, v in options.items():
+        default = getattr(Tuning(), name)
+        if isinstance(default, bool):
+            if isinstance(v, bool):
+                out[name] = v
+            elif str(v).lower() in ("1", "true", "yes", "on"):
+                out[name] = True
+            elif str(v).lower() in ("0", "false", "no", "off"):
+                out[name] = False
+            else:
+                raise ValueError(f"tuning option {name} takes true or false, got {v!r}")
+        else:
+            out[name] = int(v)
+    return Tuning(**out)
+
+
+def heap_at_start(tuning: Tuning) -> None:
+    """First in an actor's start: keep freed heap memory for reuse (`Tuning.heap_retain`)."""
+    if tuning.heap_retain:
+        from storage.heap import retain_freed_memory
+
+        retain_freed_memory()
+
+
+def heap_after_start(tuning: Tuning) -> None:
+    """Last in an actor's start: freeze the objects made so far (`Tuning.heap_freeze`)."""
+    if tuning.heap_freeze:
+        from storage.heap import freeze_startup_objects
+
+        freeze_startup_objects()
 
 
 def prepare_data_dir(path: str | os.PathLike) -> None:

@@ -97,8 +97,9 @@ class InProcessRestorer:
     lz4 release the GIL too), so both cores work."""
 
     def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h,
-                 threads: int = 2, group_layers: int = GROUP_LAYERS) -> None:
+                 threads: int = 2, group_layers: int = GROUP_LAYERS, streaming_stores: bool = True) -> None:
         self.model = model
+        self.streaming_stores = streaming_stores
         self.threads = threads
         self.group_layers = group_layers
         self.io = io
@@ -123,7 +124,8 @@ class InProcessRestorer:
         items = (_read_ahead(lambda: self.io.read_groups(plan.ctx, load, groups)) if pipelined
                  else self.io.read_batches(plan.ctx, load, 1))
         stats, whole = restore(ws, req, items, model=self.model, pool=self.pool,
-                               resolve=lambda hs: [self.resolve(h) for h in hs])
+                               resolve=lambda hs: [self.resolve(h) for h in hs],
+                               streaming_stores=self.streaming_stores)
         if pipelined:  # loaded layer by layer: re-encoded from the working set after the call
             plan.recompute = sorted(set(plan.recompute) | set(stats.failed) | set(load))
             return stats, []
@@ -167,11 +169,14 @@ class ModelExecutor:
         put: Callable[[list[codecs.EncodedChunk]], list[Any]] = list,
         background: bool = True,
         overlap_admit: bool = False,
+        version_reuse: bool = True,
     ) -> None:
         """`background`: write back after the reply on a thread of its own. `overlap_admit`: a call
         waits for the previous write-back only until it has encoded its chunks from the working set,
         unless both are on the same context (`ServiceConfig.overlap_admit`); the governor port must
-        then take calls from two threads at once (the Ray stub's actor serialises them)."""
+        then take calls from two threads at once (the Ray stub's actor serialises them).
+        `version_reuse`: offer the version of a context this executor committed, so that its plan
+        leaves out what the executor holds (`actors.config.Tuning.version_reuse`)."""
         self.engine = engine
         self.model = engine.model
         self.gov = governor
@@ -193,6 +198,7 @@ class ModelExecutor:
         self._encoded.set()
         self._pending_views = False  # that write-back reads views of its chunks taken at the commit
         self.overlap_admit = overlap_admit and background
+        self.version_reuse = version_reuse
         self._lock = threading.Lock()
         self._saved: OrderedDict[str, tuple[int, np.ndarray, str, bytes]] = OrderedDict()
         """Context -> (version, token ids, state, density) as this executor last committed them, the
@@ -361,7 +367,8 @@ class ModelExecutor:
             self.flush()
         cached = self.ws_ctx == ctx_id and not self.ws.missing
         saved = self._saved.get(ctx_id)
-        plan = self.gov.begin_call(ctx_id, app, cached=cached, known=saved[0] if saved else None)
+        plan = self.gov.begin_call(ctx_id, app, cached=cached,
+                                   known=saved[0] if saved and self.version_reuse else None)
         if plan.reused:
             if saved is None or saved[0] != plan.version:  # not expected: the governor checked
                 self.gov.abort_call(ctx_id)

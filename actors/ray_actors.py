@@ -1,7 +1,7 @@
 """The bodies of the service's Ray actors: the memory governor, the KV swap/IO worker, the recompute
 worker and the model executor, each a thin shell around the plain class of its role (the recompute
-worker's, `actors.recompute.RecomputeWorker`, only gains the probe), plus the restorer the executor uses
-on Ray.
+worker's, `actors.recompute.RecomputeWorker`, only gains the probe). The executor's restorer on Ray is
+`actors.ray_restore.RayRestorer`.
 
 - governor and IO worker request no CPU; executor and recompute worker one each, with one torch thread
   each, so torch threads add up to at most 2 on a 2-core node;
@@ -24,28 +24,22 @@ HTTP API (`deploy/`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import ray
 
-from actors.config import ServiceConfig, private_files
+from actors.config import ServiceConfig, Tuning, heap_after_start, heap_at_start, private_files
 from actors.service import Components
-from actors.messages import PoolRef, RestoreRequest, WithReleases
-from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub, resolve_chunks
+from actors.messages import PoolRef, WithReleases
+from actors.ray_restore import RayRestorer, per_ref_seconds
+from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
 from actors.recompute import RecomputeWorker, shared_working_set, working_set_nbytes
-from actors.restore import restore
-from actors.swapio import ChunkBatch, KVSwapIO, layer_groups, unstaged
-from engine.threads import single_threaded_torch
-from scheduler.pipeline import HandoverCost, layer_group_size
-from storage import codecs
+from actors.swapio import KVSwapIO
 
 
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -100,11 +94,10 @@ class IOActor(KVSwapIO, Health):
     def write(self, ctx: str, todo: list) -> list[dict]:
         return super().write(ctx, todo)
 
-    def __init__(self, root: str, fingerprint: str, config, data_dir: str, **kw) -> None:
+    def __init__(self, root: str, fingerprint: str, config, data_dir: str, tuning: Tuning = Tuning(), **kw) -> None:
         from actors.metrics import Metrics
-        from storage.heap import freeze_startup_objects, retain_freed_memory
 
-        retain_freed_memory()  # fresh read buffers and payloads: keep freed memory, no page faults
+        heap_at_start(tuning)  # fresh read buffers and payloads: keep freed memory, no page faults
         private_files()
 
         super().__init__(root, fingerprint, config, **kw)
@@ -120,7 +113,7 @@ class IOActor(KVSwapIO, Health):
             m.swap_seconds.labels(direction).inc(seconds)
 
         self.observe = observe
-        freeze_startup_objects()  # no full collection walks Ray's and the store's objects mid-restore
+        heap_after_start(tuning)  # no full collection walks Ray's and the store's objects mid-restore
 
 
 class GovernorActor(Health):
@@ -135,13 +128,13 @@ class GovernorActor(Health):
         from actors.profiling import ProfileCache, profile_key
         from engine.loader import cache_root
         from scheduler.pipeline import CostProfile
-        from storage.heap import freeze_startup_objects, retain_freed_memory
         from storage.registry import Registry
 
-        retain_freed_memory()
+        heap_at_start(parts.tuning)
         private_files()
         c = config
         self.parts = parts
+        self.plan_keys = parts.tuning.plan_keys
         reg = Registry(str(Path(c.data_dir) / "registry.db"), config=parts.registry)
         if c.profile:
             profile = CostProfile.from_json(c.profile)
@@ -163,7 +156,7 @@ class GovernorActor(Health):
         # their cost is not inside the reply of the call that made it (a switch's `begin_call`)
         self._lock = threading.Lock()
         threading.Thread(target=self._publisher, name="publish-gauges", daemon=True).start()
-        freeze_startup_objects()  # no full collection walks the start-up's objects inside a `begin_call`
+        heap_after_start(parts.tuning)  # no full collection walks the start-up's objects inside a `begin_call`
 
     def components(self) -> Components:
         """What this actor was built with (a test compares the two wirings)."""
@@ -209,10 +202,12 @@ class GovernorActor(Health):
 
     # the executor's calls: each answer carries the keys released since the executor last heard
     def begin_call(self, ctx: str, app: str | None, cached: bool = False, known: int | None = None) -> WithReleases:
-        """The plan, its resident chunks named by key (the executor holds their refs)."""
+        """The plan, its resident chunks named by key (the executor holds their refs), or by their
+        whole handles without `Tuning.plan_keys`."""
         with self._books() as g:
             plan = g.begin_call(ctx, app, cached=cached, known=known)
-            plan.resident = [(i, level, h.key if isinstance(h, PoolRef) else h) for i, level, h in plan.resident]
+            if self.plan_keys:
+                plan.resident = [(i, level, h.key if isinstance(h, PoolRef) else h) for i, level, h in plan.resident]
             return self._with_releases(plan)
 
     def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> WithReleases:
@@ -317,156 +312,6 @@ class RecomputeActor(RecomputeWorker, Health):
     """The recompute worker actor: the plain worker (`actors.recompute.RecomputeWorker`) and the probe."""
 
 
-class RayRestorer:
-    """A restore on Ray. With recompute planned, the recompute worker does it, consuming the IO worker's
-    stream of layer groups, sized per restore so that handing a group over (one object ref) costs
-    under a tenth of reading it (scheduler.pipeline.layer_group_size), at the read rate last observed
-    and the hand-over cost observed in recent restores (`HandoverCost`; never below the cost measured
-    at start). Without, this executor does it (`_restore_here`)."""
-
-    def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
-                 read_rate, io, held: dict, views: dict, threads: int = 2,
-                 staging: tuple[memoryview, int, int] | None = None) -> None:
-        self.worker = worker
-        self.io = io
-        self.held = held  # key -> `PoolRef` of the resident chunks (`ResidentRefs.held`)
-        self.views = views  # key -> zero-copy view of the same chunk
-        self.cfg = cfg
-        self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
-        self.shm_name, self.capacity = shm_name, capacity
-        self.per_ref_s = per_ref_s
-        self.handover = HandoverCost(per_ref_s)  # what a hand-over costs during restores, >= the idle figure
-        self.read_rate = read_rate
-        self.threads = threads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
-        self.staging: tuple[str, int, int] | None = None
-        """(segment, offset, size) of the staging area the IO worker copies loaded chunks into."""
-        self.stage_area: np.ndarray | None = None
-        if staging is not None:
-            buf, offset, size = staging
-            self.staging = (shm_name, offset, size)
-            self.stage_area = np.ndarray(size, np.uint8, buffer=buf, offset=offset)
-
-    def _load_nbytes(self, plan) -> int:
-        return sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
-
-    def group_size(self, plan) -> int:
-        if not plan.recompute:  # nothing to overlap the reads with: one group, one hand-over
-            return self.cfg.n_layers
-        return layer_group_size(self.cfg.n_layers, self.handover.seconds, self.read_rate.s_per_byte,
-                                self._load_nbytes(plan))
-
-    def batch_size(self, plan) -> int:
-        """Loaded chunks per streamed batch of `_restore_here`: the rule of `group_size`, over chunks."""
-        n = len(plan.load)
-        return layer_group_size(n, self.handover.seconds, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
-
-    def restore(self, ws, plan):
-        lost = [i for i, _level, key in plan.resident if key not in self.held]
-        if lost:  # not expected (the governor reports every handle it drops): recompute rather than fail
-            plan.recompute = sorted(set(plan.recompute) | set(lost))
-        keys = [(i, key) for i, _level, key in plan.resident if key in self.held]
-        if not plan.recompute:  # nothing reads other chunks' K/V: restore here
-            return self._restore_here(ws, plan, keys)
-        size = self.group_size(plan)
-        groups = layer_groups(self.cfg.n_layers, size)
-        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, self.held[key]) for i, key in keys],
-                             [i for i, _, _ in plan.load], list(plan.recompute), groups,
-                             self.shm_name, self.capacity, self.staging[1:] if self.staging else None)
-        res = self.worker.restore(req)
-        return self._finish(ws, plan, res, size)
-
-    def _restore_here(self, ws, plan, keys):
-        """Without recompute no chunk waits for another, so this executor runs the restore
-        (`actors.restore.restore`) on a pool of `threads` threads: resident chunks from the views kept
-        at `put` (nothing fetched), then each batch of loaded chunks as the IO worker streams it in.
-        The recompute worker is idle meanwhile, so the pool uses the core it would. Chunks whose file
-        fails are recomputed by the worker once every other chunk is in (they attend to them)."""
-        loads = [i for i, _, _ in plan.load]
-        # ask for the reads before the decode threads take both cores: the IO worker's request (and the
-        # worker itself, which requests no CPU) would otherwise wait behind them
-        refs = self.io.read_batches(plan.ctx, loads, self.batch_size(plan), self.staging) if loads else None
-        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, keys, loads, [],
-                             [range(self.cfg.n_layers)], recompute_failed=False)
-        staged = [0]
-        items = self._batches(refs, plan.ctx, loads, staged) if loads else ()
-        res, whole = restore(ws, req, items, pool=self.pool, resolve=self._resolve_keys)
-        res.staged_bytes = staged[0]
-        if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
-            n = -(-plan.kv_tokens // self.chunk_shape[3])
-            fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
-                                 [range(self.cfg.n_layers)], self.shm_name, self.capacity,
-                                 present=[i for i in range(n) if i not in res.failed])
-            again = self.worker.restore(fix)
-            res.recomputed = again.recomputed
-            res.timeline += again.timeline
-        res, _ = self._finish(ws, plan, res, self.cfg.n_layers, whole=[i for i, _enc in whole])
-        # resident after the reply as read (`ModelExecutor._write_back`, which `keep`s them first)
-        return res, [(i, enc, enc.nbytes) for i, enc in whole]
-
-    @staticmethod
-    def keep(loaded: list) -> list:
-        """`restore`'s loaded chunks with payloads of their own: a staged one is a view of the staging
-        area, which the next restore overwrites (copying costs far less than encoding it again)."""
-        return [(i, dataclasses.replace(enc, payload=np.array(enc.payload)), n) for i, enc, n in loaded]
-
-    def _resolve_keys(self, keys: list[int]) -> list:
-        """The resident chunks of `keys`: the views kept at `put`, fetched where one is missing."""
-        views = [self.views.get(k) for k in keys]
-        missing = [k for k, v in zip(keys, views) if v is None]
-        fetched = iter(resolve_chunks([self.held[k] for k in missing]) if missing else ())
-        return [v if v is not None else next(fetched) for v in views]
-
-    def _batches(self, refs, ctx: str, loads: list[int], staged: list[int]):
-        """The IO worker's batches, fetched and taken out of the staging area; if the worker stops
-        mid-stream, the restarted one reads the rest in one go (a batch of index -1)."""
-        got: set[int] = set()
-        failed: dict[int, str] = {}
-        try:
-            for ref in refs:
-                batch = ray.get(ref)
-                chunks = []
-                for i, c in batch.chunks:
-                    enc, n = unstaged(c, self.stage_area)
-                    staged[0] += n
-                    chunks.append((i, enc))
-                    got.add(i)
-                failed.update(batch.failed)
-                yield dataclasses.replace(batch, chunks=chunks)
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
-            rest = [i for i in loads if i not in got and i not in failed]
-            t = time.monotonic()
-            chunks, more = self.io.read(ctx, rest)
-            yield ChunkBatch(-1, list(chunks.items()), {**failed, **more}, t, time.monotonic())
-
-    def _finish(self, ws, plan, res, size, whole: list[int] = ()):
-        reads = [(a, b) for what, _g, a, b in res.timeline if what == "read"]
-        if reads and res.loaded_bytes:
-            self.read_rate.observe(sum(b - a for a, b in reads), res.loaded_bytes)
-        for what, _g, a, b in res.timeline:
-            if what == "handover":
-                self.handover.observe(b - a)
-        res.timeline.append(("group_layers", size, 0.0, 0.0))
-        ws.missing = set()
-        # chunks not read whole (layer by layer, or not at all) are encoded from the working set after the call
-        plan.recompute = sorted(set(plan.recompute) | set(res.failed) | ({i for i, _, _ in plan.load} - set(whole)))
-        return res, []
-
-
-def per_ref_seconds(io_handle, n: int = 32) -> float:
-    """What one streamed object ref costs between two actors here: a streaming generator of `n` tiny
-    items, timed end to end (median of three runs)."""
-    import statistics
-
-    runs = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for ref in io_handle.ping.remote(n):
-            ray.get(ref)
-        runs.append((time.perf_counter() - t) / n)
-    return statistics.median(runs)
-
-
 class ExecutorActor(Health):
     def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
                  recompute_handle, io_handle, prefix: str, threads: int) -> None:
@@ -477,15 +322,13 @@ class ExecutorActor(Health):
         from engine.context import ContextEngine
         from engine.kvcache import KVCache
         from engine.model import Transformer
-        from storage.heap import retain_freed_memory
 
         torch.set_num_threads(max(1, threads))
-        retain_freed_memory()  # write-back encodes into fresh payloads: keep freed memory, no page faults
+        heap_at_start(parts.tuning)  # write-back encodes into fresh payloads: keep freed memory, no page faults
         private_files()
         c, ecfg = config, parts.engine
         model = Transformer.from_directory(model_dir, ecfg, fingerprint=fingerprint)
         engine = ContextEngine(model, ChatTokenizer(model_dir), ecfg)
-        engine.fingerprint = fingerprint
         # a new segment per executor process: a restarted executor never shares a stale one
         shm_name = f"{prefix}-ws-{os.getpid()}"
         _unlink_stale_segments(prefix)
@@ -499,16 +342,17 @@ class ExecutorActor(Health):
         prof = CostProfile.from_json(c.profile) if c.profile else None
         self.read_rate = ReadRate(prof.io.slope if prof else 0.0)
         self.per_ref_s = per_ref_seconds(io_handle)
-        refs = ResidentRefs()
+        t = parts.tuning
+        refs = ResidentRefs(t.object_chunks)
         gov = GovernorStub(gov_handle, refs)
         refs.rehome = gov.rehome
         restorer = RayRestorer(RecomputeStub(recompute_handle), model.cfg, shm_name, engine.limit, c.chunk_tokens,
                                self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held, refs.views,
-                               staging=(self.shm.buf, ws_nbytes, staging) if staging else None)
+                               staging=(self.shm.buf, ws_nbytes, staging) if staging else None, tuning=t)
         self.refs = refs
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=refs.put, background=True,  # write-back after the reply
-                                overlap_admit=c.overlap_admit)
+                                overlap_admit=c.overlap_admit, version_reuse=t.version_reuse)
         # after a restart: the call in flight died with the old process, whose objects (the resident
         # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
         interrupted = self.ex.gov.executor_started()
@@ -524,9 +368,7 @@ class ExecutorActor(Health):
         self.metrics.start("executor", c.data_dir)
         init_executor_series(self.metrics, self.policy)
         restarted("executor", c.data_dir, self.metrics)
-        from storage.heap import freeze_startup_objects
-
-        freeze_startup_objects()  # no full collection walks torch's, Ray's and the model's objects in a call
+        heap_after_start(parts.tuning)  # no full collection walks torch's, Ray's and the model's objects in a call
 
     def _observe(self, out: dict) -> None:
         from actors.metrics import switch_outcome

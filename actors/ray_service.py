@@ -67,11 +67,11 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
     io = _actor(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
         str(Path(config.data_dir) / "chunks"), KVKey(resolved.fingerprint, WEIGHT_FORMAT).record_tag(), parts.store,
-        config.data_dir, resolve=resolve_chunks)
+        config.data_dir, tuning=parts.tuning, resolve=resolve_chunks)
     gov = _actor(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
         config, parts, io, resolved.fingerprint)
     recompute = _actor(RecomputeActor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
-        str(resolved.directory), resolved.fingerprint, parts.engine, io, 1)
+        str(resolved.directory), resolved.fingerprint, parts.engine, io, 1, parts.tuning)
     executor = _actor(executor_actor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
         config, parts, str(resolved.directory), resolved.fingerprint, gov, recompute, io, prefix, 1)
     ray.get([executor.__ray_ready__.remote(), recompute.__ray_ready__.remote()])

@@ -18,6 +18,7 @@ import numpy as np
 import ray
 
 from actors import retry
+from actors.config import Tuning
 from actors.messages import CallInterruptedError, CallPlan, CommitReply, PoolRef, RestoreRequest, RestoreStats, WithReleases
 from storage import codecs
 
@@ -42,14 +43,14 @@ def resolve_call_item(ref):
 class ResidentRefs:
     """The executor's handles of the chunks it put, by `PoolRef.key`, each with a zero-copy view of
     the chunk (its arrays map the object store's memory), dropped as the governor releases them. An
-    object holds up to `OBJECT_CHUNKS` chunks of one `put` and is freed once the last is dropped.
+    object holds up to `object_chunks` chunks of one `put` and is freed once the last is dropped.
 
     Dropping an object costs ~0.1-0.2 ms (the object store frees it), and a switch that evicts room
     for a large load releases many chunks, so the drops wait for the next `put` (the call's
     write-back, after the reply), which frees them before it puts anything new: the object store
     never holds both the evicted chunks and their replacements.
 
-    `put` puts its chunks `OBJECT_CHUNKS` to an object: one object-store allocation costs about as
+    `put` puts its chunks `object_chunks` to an object: one object-store allocation costs about as
     much as copying a few hundred KB, so one per chunk made a write-back's puts cost several times its
     encoding. An object lives while any of its chunks is resident, so released chunks leave holes:
     `put` puts the resident chunks of the sparsest objects again with the new ones until the holes
@@ -57,10 +58,11 @@ class ResidentRefs:
     (`rehome`); the old objects are freed once nothing holds them (a write in flight may, until it
     ends). Small objects keep that re-packing small."""
 
-    OBJECT_CHUNKS = 16
     MAX_HOLES = 0.25
 
-    def __init__(self) -> None:
+    def __init__(self, object_chunks: int | None = None) -> None:
+        self.object_chunks = Tuning().object_chunks if object_chunks is None else object_chunks
+        """Chunks put to one object (`actors.config.Tuning.object_chunks`)."""
         self.held: dict[int, PoolRef] = {}
         self.views: dict[int, codecs.EncodedChunk] = {}
         self.sizes: dict[bytes, int] = {}
@@ -81,7 +83,7 @@ class ResidentRefs:
         with self._lock:
             moving = self._sparse()
         chunks = list(encs) + [view for _key, view in moving]
-        n = self.OBJECT_CHUNKS
+        n = self.object_chunks
         objects = [ray.put(chunks[a:a + n]) for a in range(0, len(chunks), n)]
         slots = [(ref, index, view) for ref, views in zip(objects, ray.get(objects)) for index, view in enumerate(views)]
         out, moved = [], []

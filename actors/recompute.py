@@ -22,7 +22,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from actors.config import private_files
+from actors.config import Tuning, heap_after_start, heap_at_start, private_files
 from actors.messages import RestoreRequest, RestoreStats
 from actors.restore import restore
 from actors.swapio import unstaged
@@ -80,13 +80,14 @@ def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,
 class RecomputeWorker:
     """Actor body: the model plus a view of the executor's shared working set."""
 
-    def __init__(self, model_dir: str, fingerprint: str, engine_cfg, io=None, threads: int = 1) -> None:
+    def __init__(self, model_dir: str, fingerprint: str, engine_cfg, io=None, threads: int = 1,
+                 tuning: Tuning = Tuning()) -> None:
         from engine.model import Transformer
-        from storage.heap import retain_freed_memory
 
         torch.set_num_threads(max(1, threads))
-        retain_freed_memory()
+        heap_at_start(tuning)
         private_files()
+        self.streaming_stores = tuning.streaming_stores
         self.model = Transformer.from_directory(model_dir, engine_cfg, fingerprint=fingerprint)
         self.chunk_tokens = engine_cfg.chunk_tokens
         if io is not None:
@@ -96,9 +97,7 @@ class RecomputeWorker:
         self.io = io
         self.shm = None
         self.ws: KVCache | None = None
-        from storage.heap import freeze_startup_objects
-
-        freeze_startup_objects()  # no full collection walks torch's and the model's objects mid-restore
+        heap_after_start(tuning)  # no full collection walks torch's and the model's objects mid-restore
 
     def _attach(self, name: str, capacity: int) -> KVCache:
         """Map the executor's working set; again after the executor restarted with a new segment."""
@@ -125,7 +124,8 @@ class RecomputeWorker:
             area = (np.ndarray(req.staging[1], np.uint8, buffer=self.shm.buf, offset=req.staging[0])
                     if staging is not None else None)
             items = (_unstaged_group(ray.get(ref), area, staged) for ref in refs)
-        res, _whole = restore(ws, req, items, model=self.model, resolve=resolve_chunks)
+        res, _whole = restore(ws, req, items, model=self.model, resolve=resolve_chunks,
+                              streaming_stores=self.streaming_stores)
         res.staged_bytes = staged[0]
         return res
 

@@ -37,10 +37,11 @@ non-temporal stores (`codecs.decode(..., stream=True)`): below it the caches sti
 stores (the measured crossover is in docs/benchmarks.md, "Tuning at the edge")."""
 
 
-def use_streaming_stores(ws: KVCache, n_chunks: int) -> bool:
-    """Whether de-quantizing `n_chunks` chunks into `ws` is large enough for non-temporal stores."""
+def use_streaming_stores(ws: KVCache, n_chunks: int, enabled: bool = True) -> bool:
+    """Whether de-quantizing `n_chunks` chunks into `ws` is large enough for non-temporal stores
+    (`enabled`: `actors.config.Tuning.streaming_stores`)."""
     per_chunk = ws.nbytes() // ws.capacity * ws.chunk_tokens
-    return ws.device.type == "cpu" and n_chunks * per_chunk >= STREAM_MIN_BYTES
+    return enabled and ws.device.type == "cpu" and n_chunks * per_chunk >= STREAM_MIN_BYTES
 
 
 def decode_timed(ws: KVCache, kv: np.ndarray | None, i: int, layers: range, enc: codecs.EncodedChunk,
@@ -103,11 +104,13 @@ class _Decodes:
 
 def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None,
             resolve: Callable[[list], list] = lambda handles: handles,
-            pool: ThreadPoolExecutor | None = None) -> tuple[RestoreStats, list[tuple[int, Any]]]:
+            pool: ThreadPoolExecutor | None = None,
+            streaming_stores: bool = True) -> tuple[RestoreStats, list[tuple[int, Any]]]:
     """Fill `ws` for `req` from the stream `items` (what the IO worker reads of `req.load`, resolved);
     `resolve` turns the resident chunks' handles into `EncodedChunk`s. `model` recomputes (None: the
     caller has no recompute planned and takes failed chunks back). `pool` de-quantizes when nothing is
-    recomputed. Returns the statistics and the loaded chunks that came whole, (index, chunk)."""
+    recomputed; `streaming_stores`: large restores de-quantize with non-temporal stores
+    (`use_streaming_stores`). Returns the statistics and the loaded chunks that came whole, (index, chunk)."""
     res = RestoreStats()
     events = res.timeline
     n_layers = ws.kv.shape[0]
@@ -119,7 +122,7 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None,
         ws.mark_present(req.present)
     if req.recompute and model is None:
         raise ValueError("a restore that recomputes needs the model")
-    stream = use_streaming_stores(ws, len(req.resident) + len(req.load))
+    stream = use_streaming_stores(ws, len(req.resident) + len(req.load), streaming_stores)
     decodes = _Decodes(ws, events, None if req.recompute else pool, stream)
     whole: list[tuple[int, Any]] = []
     loads = set(req.load)

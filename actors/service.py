@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from actors.config import ServiceConfig, prepare_data_dir
+from actors.config import ServiceConfig, Tuning, prepare_data_dir
 from actors.governor import GovernorConfig
 from actors.messages import CallInterruptedError, CallOutcome, KVKey
 from actors.ports import ExecutorPort, GovernorPort
@@ -50,6 +50,8 @@ class Components:
     """The KV swap/IO worker's chunk store."""
     governor: GovernorConfig
     """The memory governor."""
+    tuning: Tuning
+    """The speed-only optimisations each component switches on or off."""
 
 
 def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: str = "auto") -> Components:
@@ -69,6 +71,7 @@ def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: st
         governor=GovernorConfig(pool_bytes=config.pool_bytes, chunk_tokens=config.chunk_tokens, policy=config.policy,
                                 dtype=dtype, pipeline_groups=len(layer_groups(model.n_layers, GROUP_LAYERS)),
                                 raw_chunk_bytes=raw_chunk_bytes),
+        tuning=config.tuning,
     )
 
 
@@ -215,15 +218,18 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
         raise ValueError(f"the engine passed cuts {engine.model.engine_cfg.chunk_tokens}-token chunks but the "
                          f"service is configured for {config.chunk_tokens}; load a model with that chunk size")
     parts = components(config, engine.model.cfg, dtype_name(engine.model.dtype))
+    fingerprint = engine.fingerprint or "unknown-model"
     if engine.cfg.max_context_tokens != config.max_context_tokens:
         engine = ContextEngine(engine.model, engine.tok, parts.engine)
-    fingerprint = getattr(engine, "fingerprint", "") or "unknown-model"
+        engine.fingerprint = fingerprint
     registry = Registry(str(root / "registry.db"), config=parts.registry)
     io = KVSwapIO(str(root / "chunks"), KVKey(fingerprint, WEIGHT_FORMAT).record_tag(), parts.store)
     if profile is None:
         profile = _local_profile(config, engine, fingerprint)
     governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)
-    executor = ModelExecutor(engine, governor, InProcessRestorer(engine.model, io))
+    t = parts.tuning
+    executor = ModelExecutor(engine, governor, InProcessRestorer(engine.model, io, streaming_stores=t.streaming_stores),
+                             version_reuse=t.version_reuse)
 
     def close() -> None:
         executor.flush()

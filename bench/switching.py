@@ -78,13 +78,14 @@ def quarter_q8_budget(engine, prompts: list[str]) -> tuple[int, int]:
 
 
 def open_service(policy: str, engine, pool_bytes: int, throttle: float, use_ray: bool, data_dir: str,
-                 *, max_context_tokens: int = 4096, prefix: str = "bench"):
+                 *, max_context_tokens: int = 4096, prefix: str = "bench", options: dict | None = None):
     """A fresh service on `data_dir`: `wire_local` sharing `engine`'s model, or the Ray actors
-    (`ray` must be initialised). `throttle`: chunk read limit in bytes/s, 0 for none."""
+    (`ray` must be initialised). `throttle`: chunk read limit in bytes/s, 0 for none. `options`: more
+    `ServiceConfig` fields (`tuning` as a mapping of `Tuning`'s)."""
     from actors.service import ServiceConfig, wire_local
 
     cfg = ServiceConfig(data_dir=data_dir, policy=policy, pool_bytes=pool_bytes,
-                        max_context_tokens=max_context_tokens, read_bytes_per_s=throttle)
+                        max_context_tokens=max_context_tokens, read_bytes_per_s=throttle, **(options or {}))
     if use_ray:
         from actors.ray_service import wire_ray
 
@@ -173,8 +174,11 @@ def idle_handover_ms(io, n: int = 15) -> tuple[float, float]:
     return max(0.0, y0 - per_mb * x0 / 1e6), per_mb
 
 
-def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tmp):
-    svc = open_service(policy, engine, pool_bytes, throttle, use_ray, str(Path(tmp) / policy))
+def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tmp, options: dict | None = None,
+               idle: bool = True):
+    """The trace's calls on a fresh service; per call a record. `idle`: wait for the service's
+    background work after each call (`wait_idle`); False: calls back to back."""
+    svc = open_service(policy, engine, pool_bytes, throttle, use_ray, str(Path(tmp) / policy), options=options)
     per_ref_ms = round_trip_ms = ho_ms = ho_ms_per_mb = request_ms = 0.0
     if use_ray:  # what one actor hop (a streamed object ref) costs, as the executor measured at start
         import ray
@@ -199,7 +203,8 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
         t = time.perf_counter()
         out = outcome_dict(svc.call(tok, ctxs[c], f"Question {k}: what is the main topic?", max_tokens=4))
         e2e = time.perf_counter() - t
-        wait_idle(svc)  # the idle gap: background write-back finishes before the next call
+        if idle:
+            wait_idle(svc)  # the idle gap: background write-back finishes before the next call
         r = out["restore"]
         groups = next((n for what, n, *_ in r["timeline"] if what == "group_layers"), 0)
         restored = bool(r["resident"] or r["loaded"] or r["recomputed"])

@@ -32,7 +32,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors import retry
-from actors.config import ServiceConfig, prepare_data_dir
+from actors.config import ServiceConfig, prepare_data_dir, tuning_from
 from actors.messages import CallOutcome
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
@@ -560,22 +560,38 @@ class Ingress:
 
 def build(args: dict | None = None):
     """Application builder for `serve run deploy.serve_app:build key=value ...` and serve configs:
-    keys of `actors.service.ServiceConfig` and `ServerConfig`."""
-    args = dict(args or {})
+    keys of `actors.service.ServiceConfig` and `ServerConfig`, and `tuning.NAME` for each field of
+    `actors.config.Tuning` (see `app_options`)."""
+    service, server = app_options(args)
+    return Ingress.options(max_ongoing_requests=64).bind(service, server)
+
+
+def app_options(args: dict | None) -> tuple[dict, dict]:
+    """(ServiceConfig keywords, ServerConfig keywords) from the builder's arguments, values coerced to
+    each field's type; `tuning` as a mapping (a config file's) or as `tuning.NAME` keys. Unknown
+    names and bad values fail here, before anything starts."""
     svc_keys = {f.name: f.type for f in fields(ServiceConfig)}
     srv_keys = {f.name: f.type for f in fields(ServerConfig)}
-    service, server = {}, {}
-    for k, v in args.items():
-        if k in svc_keys:
+    service, server, tuning = {}, {}, {}
+    for k, v in dict(args or {}).items():
+        if k == "tuning":  # a config file's mapping
+            if not isinstance(v, dict):
+                raise ValueError(f"tuning takes a mapping of option names to values, got {v!r}")
+            tuning.update(v)
+        elif k.startswith("tuning."):  # `serve run ... tuning.NAME=VALUE`
+            tuning[k.removeprefix("tuning.")] = v
+        elif k in svc_keys:
             service[k] = _coerce(v, getattr(ServiceConfig(), k))
         elif k in srv_keys:
             server[k] = _coerce(v, getattr(ServerConfig(), k))
         else:
             raise ValueError(f"unknown option {k!r}; valid: {sorted(svc_keys) + sorted(srv_keys)}")
+    if tuning:
+        tuning_from(tuning)
+        service["tuning"] = tuning
     service.setdefault("data_dir", os.environ.get("LLMAAS_DATA_DIR", "./data"))
     service["data_dir"] = os.path.abspath(os.path.expanduser(service["data_dir"]))
-    bound = Ingress.options(max_ongoing_requests=64).bind(service, server)
-    return bound
+    return service, server
 
 
 def _coerce(v, default):

@@ -326,9 +326,40 @@ def test_cached_profile_is_found_under_the_key_every_reader_uses(tmp_path):
 
     prof = CostProfile.from_json(PROFILE)
     ProfileCache(tmp_path).put(profile_key("fp", torch.get_num_threads(), 16, 50e6), prof)
-    stub = SimpleNamespace(engine_cfg=SimpleNamespace(chunk_tokens=16))
+    stub = SimpleNamespace(engine_cfg=SimpleNamespace(chunk_tokens=16), device=torch.device("cpu"), dtype=torch.float32)
     assert load_or_measure(stub, "fp", read_bytes_per_s=50e6, root=tmp_path).to_json() == prof.to_json()
     assert ProfileCache(tmp_path).get(profile_key("fp", torch.get_num_threads(), 16, 0.0)) is None
+    # a model on another device or in another dtype has costs of its own
+    for device, dtype in (("cuda", "float32"), ("cpu", "bfloat16")):
+        assert ProfileCache(tmp_path).get(profile_key("fp", torch.get_num_threads(), 16, 50e6, device, dtype)) is None
+
+
+def test_a_service_sized_otherwise_keeps_the_engines_fingerprint(engine, tmp_path):
+    """`wire_local` rebuilds the engine for another context size; its chunks still carry the weights'
+    fingerprint (they were tagged "unknown-model", so any model's chunks could be read back)."""
+    assert engine.fingerprint
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path), max_context_tokens=256, profile=PROFILE), engine=engine)
+    try:
+        assert svc.parts.engine.cfg.max_context_tokens == 256
+        assert svc.model_id == svc.parts.engine.fingerprint == engine.fingerprint
+    finally:
+        svc.close()
+
+
+def test_version_reuse_off_sends_everything_with_every_plan(small_engine, tmp_path):
+    from actors.config import Tuning
+
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=64 << 20, max_context_tokens=512,
+                                   profile=PROFILE, tuning=Tuning(version_reuse=False)), engine=small_engine)
+    tok = svc.bind("app")
+    a, b = svc.new_ctx(tok, "Be brief."), svc.new_ctx(tok, "Be brief.")
+    asked = []
+    begin = svc.governor.begin_call
+    svc.governor.begin_call = lambda *args, **kw: asked.append(kw.get("known")) or begin(*args, **kw)
+    for c in (a, b, a, b):
+        svc.call(tok, c, "Name a colour.", max_tokens=2)
+    assert asked == [None] * 4
+    svc.close()
 
 
 def test_loaded_chunks_are_decoded_while_later_ones_are_read(small_engine, tmp_path):

@@ -319,7 +319,7 @@ def test_resident_chunks_are_put_a_few_to_an_object_and_repacked_past_the_holes(
 
     refs, rehomed = ResidentRefs(), []
     refs.rehome = rehomed.extend
-    assert refs.OBJECT_CHUNKS >= 4
+    assert refs.object_chunks >= 4
     a = refs.put([chunk(s) for s in range(4)])
     b = refs.put([chunk(s) for s in range(4, 8)])
     assert len({h.ref for h in a}) == 1 and len({h.ref for h in b}) == 1 and a[0].ref != b[0].ref

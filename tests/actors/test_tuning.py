@@ -1,0 +1,86 @@
+"""The speed-only optimisations' switches (`actors.config.Tuning`): how they are given (Python, a
+config file's mapping, `serve run ... tuning.NAME=VALUE`), refused when unknown or malformed, and
+what a switch turned off changes, without a model or Ray."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from actors.config import ServiceConfig, Tuning, tuning_from
+
+
+def test_tuning_defaults_to_everything_on():
+    t = ServiceConfig().tuning
+    assert t == Tuning()
+    assert t.streaming_stores and t.version_reuse and t.heap_freeze and t.heap_retain
+    assert t.handover_sizing and t.plan_keys and t.object_chunks == 16
+
+
+def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():
+    t = tuning_from({"streaming_stores": "false", "plan_keys": False, "heap_freeze": "0", "object_chunks": "4"})
+    assert t == Tuning(streaming_stores=False, plan_keys=False, heap_freeze=False, object_chunks=4)
+    assert ServiceConfig(tuning={"version_reuse": "off"}).tuning == Tuning(version_reuse=False)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"streaming_store": False}, "unknown tuning options ['streaming_store']"),
+    ({"plan_keys": "maybe"}, "plan_keys takes true or false"),
+    ({"object_chunks": 0}, "object_chunks must be >= 1"),
+])
+def test_bad_tuning_options_are_refused_with_their_name(options, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tuning_from(options)
+
+
+def test_serve_options_take_tuning_keys_and_a_config_files_mapping(tmp_path):
+    from deploy.serve_app import app_options
+    from deploy.server import load_config_file
+
+    service, _server = app_options({"data_dir": str(tmp_path), "tuning.streaming_stores": "false",
+                                    "tuning.object_chunks": "2"})
+    assert ServiceConfig(**service).tuning == Tuning(streaming_stores=False, object_chunks=2)
+    path = tmp_path / "options.json"
+    path.write_text(json.dumps({"tuning": {"plan_keys": False}}))
+    opts = load_config_file(str(path))
+    assert ServiceConfig(**opts).tuning == Tuning(plan_keys=False)
+    service, _server = app_options({"data_dir": str(tmp_path), **opts})
+    assert ServiceConfig(**service).tuning == Tuning(plan_keys=False)
+    with pytest.raises(ValueError, match="unknown tuning options"):
+        app_options({"data_dir": str(tmp_path), "tuning.nope": "1"})
+    with pytest.raises(ValueError, match="tuning takes a mapping"):
+        app_options({"data_dir": str(tmp_path), "tuning": "fast"})
+
+
+def test_streaming_stores_switch_turns_non_temporal_stores_off():
+    from types import SimpleNamespace
+
+    from actors.restore import STREAM_MIN_BYTES, use_streaming_stores
+
+    per_token = 1 << 16
+    ws = SimpleNamespace(nbytes=lambda: 4096 * per_token, capacity=4096, chunk_tokens=16,
+                         device=torch.device("cpu"))
+    n = -(-STREAM_MIN_BYTES // (16 * per_token))
+    assert use_streaming_stores(ws, n) and not use_streaming_stores(ws, n - 1)
+    assert not use_streaming_stores(ws, n, enabled=False)
+
+
+def test_handover_sizing_off_keeps_the_idle_cost():
+    from types import SimpleNamespace
+
+    from actors.ray_restore import RayRestorer
+    from actors.messages import RestoreStats
+
+    cfg = SimpleNamespace(n_layers=8, n_kv_heads=2, head_dim=32)
+    ws = SimpleNamespace(missing=set())
+    for sizing in (True, False):
+        r = RayRestorer(None, cfg, "seg", 64, 16, 1e-4, SimpleNamespace(observe=lambda s, b: None), None, {}, {},
+                        threads=1, tuning=Tuning(handover_sizing=sizing))
+        res = RestoreStats()
+        res.timeline += [("handover", k, 0.0, 5e-3) for k in range(3)]
+        plan = SimpleNamespace(recompute=[], load=[])
+        r._finish(ws, plan, res, 8)
+        assert r.handover.seconds == (5e-3 if sizing else 1e-4)
+        r.pool.shutdown()
