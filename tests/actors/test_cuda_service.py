@@ -159,7 +159,7 @@ def drive(engine, data_dir: Path, policy: str, pool_bytes: int, restart_before: 
                            max_context_tokens=MAX_CONTEXT, chunk_tokens=CHUNK, profile=PROFILE)
     svc = wire_local(config, engine=engine)
     ws = svc.executor.ws
-    assert ws.device.type == torch.device(DEVICE).type and ws.dtype == torch.float32
+    assert ws.device.type == torch.device(DEVICE).type and ws.dtype == engine.model.dtype
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, SYSTEM) for _ in range(N_CTX)]
     outs = []
@@ -179,7 +179,8 @@ def switches() -> list[int]:
 
 def raw_chunk_bytes(engine) -> int:
     m = engine.model.cfg
-    return codecs.stored_nbytes("raw", (m.n_layers, 2, m.n_kv_heads, CHUNK, m.head_dim), "float32")
+    return codecs.stored_nbytes("raw", (m.n_layers, 2, m.n_kv_heads, CHUNK, m.head_dim),
+                                str(engine.model.dtype).removeprefix("torch."))
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +293,40 @@ def test_lossy_policy_under_a_tight_pool_runs(dev_engine, plain, tmp_path):
         print(f"llms on {DEVICE} with a tight pool: stats {dict(st)}, chunk levels {sorted(levels)}")
     finally:
         svc.close()
+
+
+def test_bfloat16_service_swaps_raw_chunks_exactly(checkpoint, dev_engine, plain, tmp_path):
+    """A bfloat16 engine on the device: chunks swapped out and read back at raw (in bfloat16) give the
+    replies of the unconstrained bfloat16 run, token for token."""
+    from engine.chat import ChatTokenizer
+    from engine.context import ContextEngine
+    from engine.model import Transformer
+
+    cfg = EngineConfig(device=DEVICE, dtype="bfloat16", max_context_tokens=MAX_CONTEXT, chunk_tokens=CHUNK)
+    bf16 = ContextEngine(Transformer.from_directory(checkpoint, cfg), ChatTokenizer(checkpoint), cfg)
+    assert bf16.model.dtype == torch.bfloat16
+    ref_svc, ref = drive(bf16, tmp_path / "reference", "swap", 256 << 20)
+    ref_svc.close()
+    svc, outs = drive(bf16, tmp_path / "tight", "swap", tight_pool(bf16, plain))
+    try:
+        assert svc.governor.stats["swap_in_bytes"] > 0
+        assert all(outs[k].restore.loaded > 0 for k in switches())
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    finally:
+        svc.close()
+
+
+def test_cost_profile_is_measured_on_the_device_and_cached_under_it(dev_engine, tmp_path):
+    """`llmaas profile` on the device: positive recompute, read and decode costs, cached under a key
+    that names the device and dtype (a CPU float32 profile is not reused for it, nor the reverse)."""
+    from actors.profiling import ProfileCache, load_or_measure, profile_key
+
+    model = dev_engine.model
+    prof = load_or_measure(model, "fp", root=tmp_path, progress=False)
+    assert all(sec > 0 for _x, sec in prof.recompute_points) and prof.recompute(8) >= prof.recompute(1) > 0
+    assert prof.io(1 << 20) > 0
+    print(f"profile on {DEVICE}: recompute points {prof.recompute_points}")
+    key = profile_key("fp", torch.get_num_threads(), CHUNK, 0.0, model.device.type, "float32")
+    assert ProfileCache(tmp_path).get(key).to_json() == prof.to_json()
+    other = "cpu" if model.device.type != "cpu" else "cuda"
+    assert ProfileCache(tmp_path).get(profile_key("fp", torch.get_num_threads(), CHUNK, 0.0, other, "float32")) is None
