@@ -36,6 +36,18 @@ SSE_CHAT = ('Server-Sent Events with `"stream": true`: OpenAI `chat.completion.c
             'the assistant role, the last with `finish_reason`, `usage` and `switch_ms`, then `data: [DONE]`. '
             'An error after the first event is one `data: {"error": {"code", "message"}}` event before `[DONE]`.')
 
+CALL_HEADERS = {"parameters": [
+    {"name": "Idempotency-Key", "in": "header", "required": False,
+     "schema": {"type": "string", "minLength": 1, "maxLength": 128},
+     "description": "the call's request id, 1-128 printable characters: a call sent again with the key of one "
+                    "already committed (its reply was lost) appends nothing and answers that call's reply"},
+    {"name": "X-Request-Timeout", "in": "header", "required": False,
+     "schema": {"type": "number", "exclusiveMinimum": 0},
+     "description": "seconds this call may take, at most the server's `request_timeout_s`; past it the call "
+                    "answers 408 `timeout` and is rolled back"},
+]}
+"""The headers the two call routes read, as `openapi_extra` of their routes."""
+
 
 def responses(*codes: str, stream: str | None = None) -> dict[int | str, dict]:
     """The `responses` argument of a route answering with the error `codes` (every route may also

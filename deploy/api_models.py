@@ -19,7 +19,6 @@ from storage.fileops import NO_SPACE
 STATUS: dict[str, int] = {
     "invalid_json": 400,
     "unauthorized": 401,
-    "forbidden": 403,
     "not_found": 404,
     "unknown_context": 404,
     "method_not_allowed": 405,
@@ -29,14 +28,12 @@ STATUS: dict[str, int] = {
     "context_limit": 409,
     "app_exists": 409,
     "prompt_too_long": 413,
-    "context_too_long": 413,
     "body_too_large": 413,
     "invalid_request": 422,
     "invalid_key": 422,
     "unknown_policy": 422,
     "overloaded": 429,
     "capacity": 503,
-    "kv_pool_budget": 503,
     "not_enough_evictable": 503,
     "unavailable": 503,
     "internal": 500,
@@ -45,7 +42,7 @@ STATUS: dict[str, int] = {
 }
 """HTTP status of every error code the API answers with."""
 
-RETRY_AFTER_S = {"overloaded": 1, "capacity": 2, "kv_pool_budget": 2, "not_enough_evictable": 2, "unavailable": 5}
+RETRY_AFTER_S = {"overloaded": 1, "capacity": 2, "not_enough_evictable": 2, "unavailable": 5}
 """Seconds a client should wait before sending again, for errors that pass by themselves. Not for
 `disk_full`: space comes back when someone deletes contexts, not after a known time."""
 

@@ -36,7 +36,8 @@ from actors.config import ServiceConfig, prepare_data_dir, tuning_from
 from actors.messages import CallOutcome
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
-from deploy.api_docs import ACTORS, APP, BODY, CALL, CONTEXT, SSE_CALL, SSE_CHAT, WRITES, responses, without_default_422
+from deploy.api_docs import (ACTORS, APP, BODY, CALL, CALL_HEADERS, CONTEXT, SSE_CALL, SSE_CHAT, WRITES, responses,
+                             without_default_422)
 from deploy.api_models import (
     APIError, BindBody, CallBody, ChatCompletionBody, NewContextBody, check_app_name, check_context_id,
     from_exception, reconcile, split_stateless,
@@ -502,7 +503,8 @@ class Ingress:
         await self._front(self.svc.remove_ctx, app, ctx)
 
     @api.post("/v1/contexts/{ctx}/calls", tags=["contexts"],
-              responses=responses(*APP, *BODY, *CONTEXT, *ACTORS, *WRITES, *CALL, stream=SSE_CALL))
+              responses=responses(*APP, *BODY, *CONTEXT, *ACTORS, *WRITES, *CALL, stream=SSE_CALL),
+              openapi_extra=CALL_HEADERS)
     async def call(self, ctx: str, body: CallBody, request: Request):
         app = await self._app(request)
         check_context_id(ctx)
@@ -521,7 +523,7 @@ class Ingress:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
                                              "owned_by": "llmaas"}]}
 
-    @api.post("/v1/chat/completions", tags=["openai"], responses=responses(
+    @api.post("/v1/chat/completions", tags=["openai"], openapi_extra=CALL_HEADERS, responses=responses(
         *APP, *BODY, *CONTEXT, *ACTORS, *WRITES, *CALL, "conversation_conflict", stream=SSE_CHAT))
     async def chat_completions(self, body: ChatCompletionBody, request: Request):
         app = await self._app(request)

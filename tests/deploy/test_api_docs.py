@@ -72,3 +72,12 @@ def test_streaming_routes_answer_event_streams(doc, route):
     if route in STREAMING:
         assert "[DONE]" in ok["description"]
 
+
+
+@pytest.mark.parametrize("route", sorted(STREAMING))
+def test_call_routes_document_the_headers_they_read(doc, route):
+    method, path = route
+    params = {p["name"]: p for p in doc["paths"][path][method].get("parameters", []) if p["in"] == "header"}
+    assert set(params) >= {"Idempotency-Key", "X-Request-Timeout"}
+    assert params["Idempotency-Key"]["schema"]["maxLength"] == 128
+    assert params["X-Request-Timeout"]["schema"]["type"] == "number"

@@ -56,10 +56,28 @@ def test_ids_and_error_mapping():
         code = "unknown_context"
 
     class Budget(Exception):
-        code = "kv_pool_budget"
+        code = "capacity"
 
     assert from_exception(Unknown("x")).status == 404
     err = from_exception(Budget("full"))
     assert err.status == 503 and err.headers()["Retry-After"]
     assert from_exception(TimeoutError()).status == 408
     assert from_exception(RuntimeError("boom")).status == 500
+
+
+def test_every_error_code_is_answered_somewhere():
+    """One code for one fault, and no code that nothing answers with: each code of `STATUS` is named
+    in the code outside the table (where an error is raised or mapped)."""
+    import re
+    from pathlib import Path
+
+    from deploy.api_models import STATUS
+
+    root = Path(__file__).resolve().parents[2]
+    text = "\n".join(p.read_text() for pkg in ("actors", "deploy", "engine", "scheduler", "storage")
+                     for p in (root / pkg).rglob("*.py") if p.name != "api_models.py")
+    table = re.compile(r'^\s+"\w+": \d+,$|^RETRY_AFTER_S = ')  # the tables themselves
+    text += "\n".join(line for line in (root / "deploy" / "api_models.py").read_text().splitlines()
+                      if not table.match(line))
+    unused = [c for c in STATUS if f'"{c}"' not in text]
+    assert not unused, f"codes nothing answers with: {unused}"
