@@ -34,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import os
 import secrets
+import shutil
 import sqlite3
 import threading
 import time
@@ -201,14 +203,26 @@ SQLITE_FULL = 13
 reached ``max_page_count`` (``sqlite3.SQLITE_FULL``)."""
 
 
+SQLITE_IOERR = 10
+"""SQLite's primary result code for an I/O error. A write that meets ENOSPC in the WAL or a journal
+can surface as this ("disk I/O error") instead of SQLITE_FULL."""
+FULL_BYTES = 1 << 20
+"""Free bytes below which the file system counts as full when SQLite reports an I/O error."""
+
+
 @contextlib.contextmanager
-def _disk_full() -> Iterator[None]:
-    """Raise DiskFullError for a SQLite error whose (primary) result code is SQLITE_FULL."""
+def _disk_full(directory: str) -> Iterator[None]:
+    """Raise DiskFullError for a SQLite error whose (primary) result code is SQLITE_FULL, or
+    SQLITE_IOERR while the file system holding `directory` has less than FULL_BYTES free."""
     try:
         yield
     except sqlite3.Error as e:
         code = getattr(e, "sqlite_errorcode", None)  # extended code; None when not raised by SQLite
-        if not (code & 0xFF == SQLITE_FULL if code is not None else "disk is full" in str(e)):
+        full = code & 0xFF == SQLITE_FULL if code is not None else "disk is full" in str(e)
+        if not full and code is not None and code & 0xFF == SQLITE_IOERR:
+            with contextlib.suppress(OSError):
+                full = shutil.disk_usage(directory).free < FULL_BYTES
+        if not full:
             raise
         raise DiskFullError(f"the registry's file system is full (SQLite: {e}); the transaction was "
                             "rolled back; free space (delete contexts) and retry") from e
@@ -223,6 +237,7 @@ class Registry:
         self._clock = clock
         self._lock = threading.RLock()
         self._depth = 0  # nesting of transaction()
+        self._dir = os.path.dirname(os.path.abspath(path))
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
                                    timeout=self.config.busy_timeout_s)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -272,7 +287,7 @@ class Registry:
             if not durable:
                 self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                with _disk_full():
+                with _disk_full(self._dir):
                     self._db.execute("BEGIN IMMEDIATE")
                     self._depth = 1
                     try:

@@ -176,8 +176,9 @@ class FullAtCommit:
     (an injected error; the statement-level case above is real). `rolled_back`: whether SQLite has
     ended the transaction itself (what it does on SQLITE_FULL) or left it open."""
 
-    def __init__(self, db: sqlite3.Connection, rolled_back: bool):
-        self.db, self.rolled_back, self.full = db, rolled_back, True
+    def __init__(self, db: sqlite3.Connection, rolled_back: bool,
+                 error: tuple[int, str, str] = (13, "SQLITE_FULL", "database or disk is full")):
+        self.db, self.rolled_back, self.full, self.error = db, rolled_back, True, error
 
     def __getattr__(self, name):
         return getattr(self.db, name)
@@ -186,8 +187,9 @@ class FullAtCommit:
         if sql == "COMMIT" and self.full:
             if self.rolled_back:
                 self.db.execute("ROLLBACK")
-            e = sqlite3.OperationalError("database or disk is full")
-            e.sqlite_errorcode, e.sqlite_errorname = 13, "SQLITE_FULL"
+            code, name, message = self.error
+            e = sqlite3.OperationalError(message)
+            e.sqlite_errorcode, e.sqlite_errorname = code, name
             raise e
         return self.db.execute(sql, *args)
 
@@ -204,6 +206,29 @@ def test_a_commit_on_a_full_disk_leaves_no_transaction_open(tmp_path, rolled_bac
     conn.full = False  # space comes back: the next transaction works
     ctx = reg.create_context("app")
     assert [c.id for c in reg.list_contexts("app")] == [ctx]
+    reg._db = db
+    reg.close()
+
+
+@pytest.mark.parametrize("free, full", [(0, True), (1 << 30, False)])
+def test_an_io_error_on_a_full_file_system_is_disk_full(tmp_path, monkeypatch, free, full):
+    """SQLite may report a write that met ENOSPC in its WAL as SQLITE_IOERR_WRITE ("disk I/O error"),
+    not SQLITE_FULL: with the registry's file system full that is disk_full too, otherwise it stays
+    what it is. (Injected: the error and the free space; the case above is real.)"""
+    import shutil
+
+    from storage import registry as registry_module
+
+    reg = Registry(str(tmp_path / "registry.db"))
+    reg.create_app("app")
+    db = reg._db
+    reg._db = FullAtCommit(db, rolled_back=True, error=(10 | (3 << 8), "SQLITE_IOERR_WRITE", "disk I/O error"))
+    real = shutil.disk_usage
+    monkeypatch.setattr(registry_module.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=free) if str(p) == str(tmp_path) else real(p))
+    with pytest.raises(DiskFullError if full else sqlite3.OperationalError, match="disk I/O error"):
+        reg.create_context("app")
+    assert not db.in_transaction and reg.list_contexts("app") == []
     reg._db = db
     reg.close()
 
