@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class Tuning:
     """Optimisations that exist for speed alone, each switchable here (True: on). What each buys,
-    measured with it on and off in alternated rounds (`python -m bench.switching --ab NAME`), is one
+    measured with it on and off in alternated rounds (`python -m bench.tuning NAME`), is one
     line of docs/benchmarks.md, "Tuning at the edge"; the staging area is `ServiceConfig.staging_bytes`."""
 
     streaming_stores: bool = True
@@ -30,6 +30,9 @@ class Tuning:
     plan_keys: bool = True
     """On Ray: a plan names resident chunks by key, which the executor maps back to the object refs it
     holds. Off: the plan carries the handles, refs included."""
+    hold_writes: bool = True
+    """Writes ahead of time wait while a restore runs (`actors.swapio.KVSwapIO.hold_writes`), so
+    that with calls back to back they do not take the restore's cores."""
     object_chunks: int = 16
     """On Ray: resident chunks put to one object-store object (`actors.ray_stubs.ResidentRefs`); 1: an
     object per chunk."""

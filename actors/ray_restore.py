@@ -72,6 +72,16 @@ class RayRestorer:
         return layer_group_size(n, self.handover.seconds, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
 
     def restore(self, ws, plan):
+        hold = self.tuning.hold_writes and bool(plan.load or plan.recompute or plan.resident)
+        if hold:
+            self.io.hold_writes(True)
+        try:
+            return self._restore(ws, plan)
+        finally:
+            if hold:
+                self.io.hold_writes(False)
+
+    def _restore(self, ws, plan):
         # keys, or whole handles where the governor sends them (`Tuning.plan_keys` off)
         resident = [(i, h.key if isinstance(h, PoolRef) else h) for i, _level, h in plan.resident]
         lost = [i for i, key in resident if key not in self.held]

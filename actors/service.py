@@ -228,8 +228,8 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
         profile = _local_profile(config, engine, fingerprint)
     governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)
     t = parts.tuning
-    executor = ModelExecutor(engine, governor, InProcessRestorer(engine.model, io, streaming_stores=t.streaming_stores),
-                             version_reuse=t.version_reuse)
+    restorer = InProcessRestorer(engine.model, io, streaming_stores=t.streaming_stores, hold_writes=t.hold_writes)
+    executor = ModelExecutor(engine, governor, restorer, version_reuse=t.version_reuse)
 
     def close() -> None:
         executor.flush()

@@ -96,8 +96,13 @@ class ReplayConfig:
     """Seed of the histories' text."""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """Tokens per K/V chunk of the services (a power of two, 4..64; LLMS §5.4)."""
+    tuning: tuple[tuple[str, str], ...] = ()
+    """Switches of `actors.config.Tuning` the services get, as (name, value); none: the defaults."""
 
     def __post_init__(self) -> None:
+        from actors.config import tuning_from
+
+        tuning_from(dict(self.tuning))  # unknown names and bad values fail here
         if not self.policies:
             raise ValueError("at least one policy is needed")
         if self.kv_budget_bytes < 0 or self.throttle_mbps < 0 or self.max_gap_s < 0 or self.calls < 0:
@@ -288,11 +293,13 @@ def open_replay_service(policy: str, engine, budget: int, config: ReplayConfig, 
     throttle = config.throttle_mbps * 1e6
     if config.chunk_tokens == DEFAULT_CHUNK_TOKENS and engine.model.engine_cfg.chunk_tokens == DEFAULT_CHUNK_TOKENS:
         return open_service(policy, engine, budget, throttle, config.use_ray, data_dir,
-                            max_context_tokens=config.max_context_tokens, prefix=prefix)
+                            max_context_tokens=config.max_context_tokens, prefix=prefix,
+                            options={"tuning": dict(config.tuning)})
     from actors.service import ServiceConfig, wire_local
 
     cfg = ServiceConfig(data_dir=data_dir, policy=policy, pool_bytes=budget, read_bytes_per_s=throttle,
-                        max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens)
+                        max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
+                        tuning=dict(config.tuning))
     if config.use_ray:
         from actors.ray_service import wire_ray
 

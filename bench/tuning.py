@@ -36,6 +36,7 @@ SWITCHES: dict[str, tuple[dict, str]] = {
     "handover_sizing": ({"tuning": {"handover_sizing": False}}, "ray"),
     "plan_keys": ({"tuning": {"plan_keys": False}}, "ray"),
     "object_chunks": ({"tuning": {"object_chunks": 1}}, "ray"),
+    "hold_writes": ({"tuning": {"hold_writes": False}}, "any"),
 }
 """Switch name -> (the `ServiceConfig` options that turn it off, where it acts: "ray" or "any")."""
 

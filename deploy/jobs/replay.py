@@ -63,6 +63,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     r.add_argument("--max-context", type=int, default=4096, metavar="TOKENS", help="context limit (default 4096)")
     r.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, metavar="N",
                    help=f"tokens per K/V chunk, a power of two from {lo} to {hi} (LLMS §5.4; default %(default)s)")
+    r.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
+                   help="a switch of actors.config.Tuning for the services, e.g. hold_writes=false (repeatable)")
     r.add_argument("--ray", action="store_true", help="the service's Ray actors instead of one process")
     r.add_argument("--address", default=None,
                    help="with --ray: the cluster to attach to (default: $RAY_ADDRESS, as under ray job "
@@ -88,6 +90,13 @@ def _trace(args, engine):
     return generate_trace(cfg, args.seed, count_tokens=model_tokens)
 
 
+def _pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--tuning takes NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def _init_ray(address: str | None) -> None:
     import ray
 
@@ -111,7 +120,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                               throttle_mbps=args.throttle_mbps, max_tokens=args.max_tokens,
                               max_gap_s=args.max_gap_s, think_ms=args.think_ms, calls=args.calls or 0,
                               history_tokens=tuple(args.history_tokens), max_context_tokens=args.max_context,
-                              use_ray=args.ray, seed=args.seed, chunk_tokens=args.chunk_tokens)
+                              use_ray=args.ray, seed=args.seed, chunk_tokens=args.chunk_tokens,
+                              tuning=tuple(_pair(t) for t in args.tuning))
         for name in config.policies:
             get_policy(name)
     except (ValueError, KeyError) as e:

@@ -16,7 +16,7 @@ def test_tuning_defaults_to_everything_on():
     t = ServiceConfig().tuning
     assert t == Tuning()
     assert t.streaming_stores and t.version_reuse and t.heap_freeze and t.heap_retain
-    assert t.handover_sizing and t.plan_keys and t.object_chunks == 16
+    assert t.handover_sizing and t.plan_keys and t.hold_writes and t.object_chunks == 16
 
 
 def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():

@@ -96,6 +96,17 @@ def test_think_time_sends_each_call_after_the_previous_reply_without_waiting_for
         ReplayConfig(think_ms=-1.0)
 
 
+def test_replay_tuning_switches_are_checked_before_anything_runs():
+    from deploy.jobs.replay import main
+
+    assert ReplayConfig(tuning=(("hold_writes", "false"),)).tuning == (("hold_writes", "false"),)
+    with pytest.raises(ValueError, match="unknown tuning options"):
+        ReplayConfig(tuning=(("holdwrites", "false"),))
+    for bad in ("hold_writes", "hold_writes=maybe"):
+        with pytest.raises(SystemExit):
+            main(["--tuning", bad, "--out", "unused"])
+
+
 def test_reply_tokens_fill_the_delta_within_bounds():
     rec = TraceRecord(0.0, 0, "p", 40)
     assert reply_tokens(rec, 35, 8) == 5
