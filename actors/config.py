@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 class Tuning:
     """Optimisations that exist for speed alone, each switchable here (True: on). What each buys,
     measured with it on and off in alternated rounds (`python -m bench.tuning NAME`), is one
-    line of docs/benchmarks.md, "Tuning at the edge"; the staging area is `ServiceConfig.staging_bytes`."""
+    line of docs/benchmarks.md, "Tuning at the edge"."""
 
     streaming_stores: bool = True
     """De-quantize a restore of `actors.restore.STREAM_MIN_BYTES` or more with non-temporal stores."""
@@ -62,11 +62,6 @@ class ServiceConfig:
     """Chunk file disk cap, bytes; 0 for none."""
     chunk_tokens: int = 16
     """Tokens per KV chunk."""
-    staging_bytes: int = -1
-    """On Ray: shared memory after the working set that the IO worker copies a restore's loaded chunks
-    into, handing over only where each lies (a few MB cost ~1.5 ms less than as an object-store
-    object); chunks past it go through the object store. -1: as large as the working set (any restore
-    fits), 0: off. Its pages take memory once written, up to the largest restore's loaded bytes."""
     overlap_admit: bool = True
     """On Ray: a call waits only until the previous call's write-back has encoded its chunks from the
     working set; the rest (putting them in the object store, the governor's `admit`) overlaps the call.

@@ -109,11 +109,6 @@ class InProcessRestorer:
         self.pool = (ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
                      if threads > 1 else None)
 
-    @staticmethod
-    def keep(loaded: list) -> list:
-        """`restore`'s loaded chunks, to keep past the next restore: they are the reader's own here."""
-        return loaded
-
     def restore(self, ws: KVCache, plan: CallPlan) -> tuple[RestoreStats, list[tuple[int, Any, int]]]:
         """Fill `ws`; returns what was done and the chunks read whole from disk (index, enc, bytes).
         Writes ahead of time wait meanwhile (`hold_writes`, `KVSwapIO.hold_writes`)."""
@@ -544,10 +539,10 @@ class ModelExecutor:
             try:
                 encs = [codecs.encode(arrays[i] if arrays is not None else self.ws.chunk_array(i), level,
                                       dtype=self.level_dtype) for i, level in order]
-                loaded = self.restorer.keep(loaded) if loaded else []  # before the next restore stages
             finally:
                 if done_reading is not None:
                     done_reading.set()
+            loaded = loaded or []
             handles = self.put(encs + [enc for _i, enc, _n in loaded])
             if loaded:
                 self.gov.loaded(ctx, [(i, h, n) for (i, _enc, n), h in zip(loaded, handles[len(encs):])])

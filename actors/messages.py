@@ -141,8 +141,6 @@ class RestoreRequest:
     """The executor's working-set segment."""
     capacity: int = 0
     """Its capacity in tokens."""
-    staging: tuple[int, int] | None = None
-    """(offset, size) of the staging area in that segment (`actors.swapio.StagedChunk`), if any."""
     present: list[int] = field(default_factory=list)
     """Chunks the caller fills itself: concurrently with a restore that recomputes nothing (resident
     chunks the executor decodes while this restore loads others), or before it (a recompute reads them)."""
@@ -161,9 +159,6 @@ class RestoreStats:
     """Chunks read from disk."""
     loaded_bytes: int = 0
     """Bytes of those chunks as stored."""
-    staged_bytes: int = 0
-    """Of `loaded_bytes`, those handed over through the staging area (shared memory) on Ray, not as
-    objects of the object store."""
     recomputed: int = 0
     """Chunks recomputed from token ids (planned and faults)."""
     faults: int = 0

@@ -107,12 +107,10 @@ class SwapIOPort(Protocol):
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
         """Read whole chunks: ({index: EncodedChunk}, {index: error code})."""
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int,
-                     staging: tuple[str, int, int] | None = None) -> Iterator[Any]:
+    def read_batches(self, ctx: str, indices: list[int], batch: int) -> Iterator[Any]:
         """Whole chunks in batches of `batch` (`ChunkBatch` items, object refs on Ray)."""
 
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range],
-                    staging: tuple[str, int, int] | None = None) -> Iterator[Any]:
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range]) -> Iterator[Any]:
         """The chunks layer group by layer group (`LayerGroup` items, object refs on Ray)."""
 
     def delete(self, ctx: str, index: int) -> None:

@@ -337,10 +337,8 @@ class ExecutorActor(Health):
         # a new segment per executor process: a restarted executor never shares a stale one
         shm_name = f"{prefix}-ws-{os.getpid()}"
         _unlink_stale_segments(prefix)
-        ws_nbytes = working_set_nbytes(model.cfg, engine.limit)
-        staging = ws_nbytes if c.staging_bytes < 0 else c.staging_bytes
-        _warn_if_shm_small(ws_nbytes + staging)
-        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True, staging_bytes=staging)
+        _warn_if_shm_small(working_set_nbytes(model.cfg, engine.limit))
+        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True)
         ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
         from scheduler.pipeline import CostProfile, ReadRate
 
@@ -353,7 +351,7 @@ class ExecutorActor(Health):
         refs.rehome = gov.rehome
         restorer = RayRestorer(RecomputeStub(recompute_handle), model.cfg, shm_name, engine.limit, c.chunk_tokens,
                                self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held, refs.views,
-                               staging=(self.shm.buf, ws_nbytes, staging) if staging else None, tuning=t)
+                               tuning=t)
         self.refs = refs
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=refs.put, background=True,  # write-back after the reply
@@ -468,7 +466,7 @@ def _unlink_stale_segments(prefix: str) -> None:
 
 
 def _warn_if_shm_small(nbytes: int) -> None:
-    """The working set and staging area are pages of /dev/shm, taken as they are first written: a
+    """The working set is pages of /dev/shm, taken as they are first written: a
     tmpfs smaller than that (a container's default is 64 MB) would kill the executor with SIGBUS
     mid-restore, so say so at start."""
     try:
@@ -480,8 +478,8 @@ def _warn_if_shm_small(nbytes: int) -> None:
         import logging
 
         logging.getLogger(__name__).warning(
-            "/dev/shm has %.0f MB free, less than the working set and staging area (%.0f MB): lower "
-            "max_context_tokens or staging_bytes, or give the container more (docker --shm-size)",
+            "/dev/shm has %.0f MB free, less than the working set (%.0f MB): lower "
+            "max_context_tokens, or give the container more (docker --shm-size)",
             free / 1e6, nbytes / 1e6)
 
 

@@ -1,6 +1,6 @@
 """The model executor's restorer on Ray: where a restore runs (the recompute worker when it
 recomputes, this executor otherwise), how the IO worker's stream is cut (layer groups or chunk
-batches sized by what a hand-over costs), and the staging area loaded chunks arrive in.
+batches sized by what a hand-over costs).
 
 What this module deliberately does not know: the restore algorithm itself (`actors.restore`, shared
 with the one-process path) and the policies that planned it (the governor's).
@@ -8,18 +8,16 @@ with the one-process path) and the policies that planned it (the governor's).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import ray
 
 from actors.config import Tuning
 from actors.messages import PoolRef, RestoreRequest
 from actors.ray_stubs import resolve_chunks
 from actors.restore import restore
-from actors.swapio import ChunkBatch, layer_groups, unstaged
+from actors.swapio import ChunkBatch, layer_groups
 from engine.threads import single_threaded_torch
 from scheduler.pipeline import HandoverCost, layer_group_size
 from storage import codecs
@@ -34,8 +32,7 @@ class RayRestorer:
     (`_restore_here`)."""
 
     def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
-                 read_rate, io, held: dict, views: dict, threads: int = 2,
-                 staging: tuple[memoryview, int, int] | None = None, tuning: Tuning = Tuning()) -> None:
+                 read_rate, io, held: dict, views: dict, threads: int = 2, tuning: Tuning = Tuning()) -> None:
         self.worker = worker
         self.tuning = tuning
         self.io = io
@@ -49,13 +46,6 @@ class RayRestorer:
         self.read_rate = read_rate
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
-        self.staging: tuple[str, int, int] | None = None
-        """(segment, offset, size) of the staging area the IO worker copies loaded chunks into."""
-        self.stage_area: np.ndarray | None = None
-        if staging is not None:
-            buf, offset, size = staging
-            self.staging = (shm_name, offset, size)
-            self.stage_area = np.ndarray(size, np.uint8, buffer=buf, offset=offset)
 
     def _load_nbytes(self, plan) -> int:
         return sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
@@ -94,7 +84,7 @@ class RayRestorer:
         groups = layer_groups(self.cfg.n_layers, size)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, self.held[key]) for i, key in keys],
                              [i for i, _, _ in plan.load], list(plan.recompute), groups,
-                             self.shm_name, self.capacity, self.staging[1:] if self.staging else None)
+                             self.shm_name, self.capacity)
         res = self.worker.restore(req)
         return self._finish(ws, plan, res, size)
 
@@ -107,14 +97,12 @@ class RayRestorer:
         loads = [i for i, _, _ in plan.load]
         # ask for the reads before the decode threads take both cores: the IO worker's request (and the
         # worker itself, which requests no CPU) would otherwise wait behind them
-        refs = self.io.read_batches(plan.ctx, loads, self.batch_size(plan), self.staging) if loads else None
+        refs = self.io.read_batches(plan.ctx, loads, self.batch_size(plan)) if loads else None
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, keys, loads, [],
                              [range(self.cfg.n_layers)], recompute_failed=False)
-        staged = [0]
-        items = self._batches(refs, plan.ctx, loads, staged) if loads else ()
+        items = self._batches(refs, plan.ctx, loads) if loads else ()
         res, whole = restore(ws, req, items, pool=self.pool, resolve=self._resolve_keys,
                              streaming_stores=self.tuning.streaming_stores)
-        res.staged_bytes = staged[0]
         if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
             n = -(-plan.kv_tokens // self.chunk_shape[3])
             fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
@@ -124,14 +112,9 @@ class RayRestorer:
             res.recomputed = again.recomputed
             res.timeline += again.timeline
         res, _ = self._finish(ws, plan, res, self.cfg.n_layers, whole=[i for i, _enc in whole])
-        # resident after the reply as read (`ModelExecutor._write_back`, which `keep`s them first)
+        # resident after the reply as read (`ModelExecutor._write_back`); their payloads map the
+        # object store's objects of the stream, which they keep until the write-back has put them
         return res, [(i, enc, enc.nbytes) for i, enc in whole]
-
-    @staticmethod
-    def keep(loaded: list) -> list:
-        """`restore`'s loaded chunks with payloads of their own: a staged one is a view of the staging
-        area, which the next restore overwrites (copying costs far less than encoding it again)."""
-        return [(i, dataclasses.replace(enc, payload=np.array(enc.payload)), n) for i, enc, n in loaded]
 
     def _resolve_keys(self, keys: list[int]) -> list:
         """The resident chunks of `keys`: the views kept at `put`, fetched where one is missing."""
@@ -140,22 +123,17 @@ class RayRestorer:
         fetched = iter(resolve_chunks([self.held[k] for k in missing]) if missing else ())
         return [v if v is not None else next(fetched) for v in views]
 
-    def _batches(self, refs, ctx: str, loads: list[int], staged: list[int]):
-        """The IO worker's batches, fetched and taken out of the staging area; if the worker stops
-        mid-stream, the restarted one reads the rest in one go (a batch of index -1)."""
+    def _batches(self, refs, ctx: str, loads: list[int]):
+        """The IO worker's batches, fetched; if the worker stops mid-stream, the restarted one reads
+        the rest in one go (a batch of index -1)."""
         got: set[int] = set()
         failed: dict[int, str] = {}
         try:
             for ref in refs:
                 batch = ray.get(ref)
-                chunks = []
-                for i, c in batch.chunks:
-                    enc, n = unstaged(c, self.stage_area)
-                    staged[0] += n
-                    chunks.append((i, enc))
-                    got.add(i)
+                got.update(i for i, _c in batch.chunks)
                 failed.update(batch.failed)
-                yield dataclasses.replace(batch, chunks=chunks)
+                yield batch
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
             rest = [i for i in loads if i not in got and i not in failed]
             t = time.monotonic()

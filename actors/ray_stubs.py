@@ -245,11 +245,11 @@ class SwapIOStub:
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
         return retry.call(self.handle.read, ctx, indices)
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int, staging=None):
-        return self.handle.read_batches.remote(ctx, indices, batch, staging)
+    def read_batches(self, ctx: str, indices: list[int], batch: int):
+        return self.handle.read_batches.remote(ctx, indices, batch)
 
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range], staging=None):
-        return self.handle.read_groups.remote(ctx, indices, groups, staging)
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range]):
+        return self.handle.read_groups.remote(ctx, indices, groups)
 
     def delete(self, ctx: str, index: int) -> None:
         retry.call(self.handle.delete, ctx, index)

@@ -6,9 +6,8 @@ executor's working set, a shared-memory buffer `[L, 2, Hkv, capacity, D]`. For a
 resident chunks, then consumes the KV swap/IO worker's per-layer-group stream: as soon as the layers of
 group `g` of every loaded chunk have arrived and been decoded, it recomputes those layers of the
 planned chunks (`Transformer.recompute_layer`), while the IO worker already reads group `g+1`.
-Nothing but encoded chunk bytes crosses processes (numpy, zero-copy: the IO worker copies them into the
-staging area after the working set in the same segment, or, past its end, they come out of the object
-store); the decoded K/V are written in place, where the executor attends to them.
+Nothing but encoded chunk bytes crosses processes (numpy arrays out of the object store, zero-copy); the
+decoded K/V are written in place, where the executor attends to them.
 
 The restore itself is `actors.restore.restore`, the same algorithm the executor runs. A chunk whose
 file turns out missing or corrupt is recomputed instead, so a restore never yields wrong K/V.
@@ -16,7 +15,6 @@ file turns out missing or corrupt is recomputed instead, so a restore never yiel
 
 from __future__ import annotations
 
-import dataclasses
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -25,7 +23,6 @@ import torch
 from actors.config import Tuning, heap_after_start, heap_at_start, private_files
 from actors.messages import RestoreRequest, RestoreStats
 from actors.restore import restore
-from actors.swapio import unstaged
 from engine.config import ModelConfig
 from engine.kvcache import KVCache
 
@@ -46,19 +43,14 @@ def stage_seconds(timeline) -> dict[str, float]:
 
 
 def working_set_nbytes(cfg: ModelConfig, capacity: int) -> int:
-    """Bytes of a float32 working set of `capacity` tokens, rounded up to whole cache lines (a
-    staging area may follow it in the same segment)."""
-    from actors.swapio import STAGING_ALIGN
-
-    n = cfg.n_layers * 2 * cfg.n_kv_heads * capacity * cfg.head_dim * 4
-    return -(-n // STAGING_ALIGN) * STAGING_ALIGN
+    """Bytes of a float32 working set of `capacity` tokens."""
+    return cfg.n_layers * 2 * cfg.n_kv_heads * capacity * cfg.head_dim * 4
 
 
-def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,
-                       staging_bytes: int = 0) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
-    """A float32 `[L, 2, Hkv, capacity, D]` tensor over POSIX shared memory `name`; the creator can
-    add `staging_bytes` after it (the IO worker's staging area, `actors.swapio.StagedChunk`). Pages
-    cost memory only once written."""
+def shared_working_set(cfg: ModelConfig, capacity: int, name: str,
+                       create: bool) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    """A float32 `[L, 2, Hkv, capacity, D]` tensor over POSIX shared memory `name`. Pages cost memory
+    only once written."""
     from actors.swapio import attach_segment
 
     shape = (cfg.n_layers, 2, cfg.n_kv_heads, capacity, cfg.head_dim)
@@ -69,8 +61,7 @@ def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,
             old.unlink()
         except FileNotFoundError:
             pass
-        shm = shared_memory.SharedMemory(name=name, create=True,
-                                         size=working_set_nbytes(cfg, capacity) + max(0, staging_bytes))
+        shm = shared_memory.SharedMemory(name=name, create=True, size=working_set_nbytes(cfg, capacity))
     else:
         shm = attach_segment(name)
     arr = np.ndarray(shape, dtype=np.float32, buffer=shm.buf)
@@ -116,24 +107,7 @@ class RecomputeWorker:
         from actors.ray_stubs import resolve_chunks
 
         ws = self._attach(req.shm_name, req.capacity)
-        staged = [0]
-        items = ()
-        if req.load:
-            staging = (req.shm_name, *req.staging) if req.staging else None
-            refs = self.io.read_groups(req.ctx, req.load, req.groups, staging)
-            area = (np.ndarray(req.staging[1], np.uint8, buffer=self.shm.buf, offset=req.staging[0])
-                    if staging is not None else None)
-            items = (_unstaged_group(ray.get(ref), area, staged) for ref in refs)
+        items = (ray.get(ref) for ref in self.io.read_groups(req.ctx, req.load, req.groups)) if req.load else ()
         res, _whole = restore(ws, req, items, model=self.model, resolve=resolve_chunks,
                               streaming_stores=self.streaming_stores)
-        res.staged_bytes = staged[0]
         return res
-
-
-def _unstaged_group(grp, area: np.ndarray | None, staged: list[int]):
-    """`grp` (a `LayerGroup`) with its staged chunks taken out of `area`; adds their bytes to staged[0]."""
-    chunks = {}
-    for i, c in grp.chunks.items():
-        chunks[i], n = unstaged(c, area)
-        staged[0] += n
-    return dataclasses.replace(grp, chunks=chunks)

@@ -6,12 +6,6 @@ Reads for a restore come out per layer group (`read_groups`) or as batches of wh
 batch `k` while `k+1` is still being read. Writes take resident handles; `resolve` turns a list of
 handles into their `EncodedChunk`s (identity in one process, `ray_stubs.resolve_chunks` under Ray).
 
-`read_batches` and `read_groups` can copy the chunks they read into a staging area, a range of a
-shared-memory segment the consumer created (on Ray, the tail of the executor's working-set segment),
-and hand over only where each lies (`StagedChunk`): a batch of a few MB then crosses as a tiny object
-instead of one the object store creates, seals and maps (idle here: 1.5-1.6 ms against 3.1-3.4 ms
-for 2 MB, see docs/benchmarks.md, "Context switching").
-
 It knows nothing about policies or the model: it moves bytes and reports timings.
 """
 
@@ -39,8 +33,8 @@ class LayerGroup:
     """Group number, from 0."""
     layers: range
     """Layers carried."""
-    chunks: dict[int, EncodedChunk | StagedChunk]
-    """Chunk index -> those layers of the chunk (`StagedChunk` where they were staged)."""
+    chunks: dict[int, EncodedChunk]
+    """Chunk index -> those layers of the chunk."""
     failed: dict[int, str]
     """Chunk index -> error code, for chunks whose file could not be read (recompute them)."""
     read_start: float
@@ -56,79 +50,13 @@ class ChunkBatch:
 
     index: int
     """Batch number, from 0."""
-    chunks: list[tuple[int, EncodedChunk | StagedChunk]]
-    """(chunk index, chunk), in the order asked; `StagedChunk` where the chunk was staged."""
+    chunks: list[tuple[int, EncodedChunk]]
+    """(chunk index, chunk), in the order asked."""
     failed: dict[int, str]
     """Chunk index -> error code, for the chunks found unreadable so far (recompute them)."""
     read_start: float
     read_end: float
     """time.monotonic() around the reads of this batch, seconds."""
-
-
-@dataclass(frozen=True, slots=True)
-class StagedChunk:
-    """An `EncodedChunk` whose payload `read_batches` or `read_groups` copied into the consumer's
-    staging area: the batch or group carries these few fields, and the consumer takes the payload as
-    a view of its own memory."""
-
-    offset: int
-    """Byte offset of the payload in the staging area."""
-    rows: int
-    cols: int
-    """The payload's shape (layers carried, record bytes)."""
-    level: str
-    version: int
-    dtype: str
-    shape: tuple[int, int, int, int, int]
-    first_layer: int
-    params: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.cols
-
-    @classmethod
-    def place(cls, enc: EncodedChunk, area: np.ndarray, offset: int) -> "StagedChunk":
-        """Copy `enc`'s payload into `area` at `offset` (the caller checked that it fits)."""
-        np.copyto(area[offset:offset + enc.nbytes], enc.payload.reshape(-1))
-        rows, cols = enc.payload.shape
-        return cls(offset, rows, cols, enc.level, enc.version, enc.dtype, enc.shape, enc.first_layer,
-                   enc.params)
-
-    def take(self, area: np.ndarray) -> EncodedChunk:
-        """The chunk, its payload a view of `area` (valid until the area is staged into again)."""
-        payload = area[self.offset:self.offset + self.nbytes].reshape(self.rows, self.cols)
-        return EncodedChunk(self.level, self.version, self.dtype, self.shape, self.first_layer, self.params,
-                            payload)
-
-
-STAGING_ALIGN = 64
-"""Staged payloads start on cache-line boundaries."""
-
-
-class _Stager:
-    """Places one read call's payloads one after another in a staging area (None: no staging)."""
-
-    def __init__(self, area: np.ndarray | None) -> None:
-        self.area, self.used = area, 0
-
-    def stage(self, enc: EncodedChunk) -> EncodedChunk | StagedChunk:
-        """`enc` copied into the area as a `StagedChunk`, or `enc` itself when it does not fit."""
-        if self.area is None:
-            return enc
-        at = -(-self.used // STAGING_ALIGN) * STAGING_ALIGN
-        if at + enc.nbytes > len(self.area):
-            return enc
-        self.used = at + enc.nbytes
-        return StagedChunk.place(enc, self.area, at)
-
-
-def unstaged(c: EncodedChunk | StagedChunk, area: np.ndarray | None) -> tuple[EncodedChunk, int]:
-    """The consumer's side: (the chunk, its payload a view of `area` when it was staged; the bytes
-    that came through the area, 0 when it came whole)."""
-    if isinstance(c, StagedChunk):
-        return c.take(area), c.nbytes
-    return c, 0
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:
@@ -173,8 +101,6 @@ class KVSwapIO:
     ) -> None:
         self.store = ChunkStore(root, config, fingerprint=fingerprint)
         self.resolve = resolve
-        self._segment: shared_memory.SharedMemory | None = None
-        """The staging segment last attached (a restarted consumer creates one under a new name)."""
         self.bytes_written = 0
         self.bytes_read = 0
         self.observe: Callable[[str, int, float], None] = lambda direction, nbytes, seconds: None
@@ -238,56 +164,32 @@ class KVSwapIO:
 
         return chunks(), failed
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int,
-                     staging: tuple[str, int, int] | None = None) -> Iterator[ChunkBatch]:
+    def read_batches(self, ctx: str, indices: list[int], batch: int) -> Iterator[ChunkBatch]:
         """Read whole chunks, yielding them `batch` at a time as soon as they are read and checked
-        (under Ray a streaming generator: the consumer decodes batch `k` while `k+1` is read).
-
-        `staging` (segment name, offset, size): copy each chunk into that range of the consumer's
-        shared memory, from its start, and yield a `StagedChunk` in its place; chunks that no longer
-        fit are yielded whole. The consumer must be done with the chunks staged by one call before it
-        makes the next (the IO worker runs one call at a time, so two never write at once)."""
+        (under Ray a streaming generator: the consumer decodes batch `k` while `k+1` is read)."""
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
-        stager = _Stager(self._staging_area(*staging) if staging is not None else None)
         chunks, failed = self.read_stream(ctx, indices)
-        got: list[tuple[int, EncodedChunk | StagedChunk]] = []
+        got: list[tuple[int, EncodedChunk]] = []
         k, t0 = 0, time.monotonic()
         for i, enc in chunks:
-            got.append((i, stager.stage(enc)))
+            got.append((i, enc))
             if len(got) == batch:
                 yield ChunkBatch(k, got, dict(failed), t0, time.monotonic())
                 got, k, t0 = [], k + 1, time.monotonic()
         if got or failed or k == 0:
             yield ChunkBatch(k, got, dict(failed), t0, time.monotonic())
 
-    def _staging_area(self, name: str, offset: int, size: int) -> np.ndarray:
-        if self._segment is None or self._segment.name.lstrip("/") != name.lstrip("/"):
-            old, self._segment = self._segment, attach_segment(name)
-            if old is not None:
-                try:
-                    old.close()
-                except BufferError:  # a view still maps it: the mapping goes when the view does
-                    pass
-        if offset < 0 or size < 0 or offset + size > self._segment.size:
-            raise ValueError(f"staging range [{offset}, {offset + size}) is outside segment {name!r} "
-                             f"of {self._segment.size} bytes")
-        return np.ndarray(size, np.uint8, buffer=self._segment.buf, offset=offset)
-
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range],
-                    staging: tuple[str, int, int] | None = None) -> Iterator[LayerGroup]:
-        """Read the chunks layer group by layer group, yielding each group as soon as it is read.
-        `staging`: as in `read_batches`, over all the groups of the call."""
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range]) -> Iterator[LayerGroup]:
+        """Read the chunks layer group by layer group, yielding each group as soon as it is read."""
         failed: dict[int, str] = {}
-        stager = _Stager(self._staging_area(*staging) if staging is not None else None)
         self.store.prefetch(ctx, indices)
         for g, layers in enumerate(groups):
             t0 = time.monotonic()
-            chunks: dict[int, EncodedChunk | StagedChunk] = {}
+            chunks: dict[int, EncodedChunk] = {}
             _sort(self.store.read_layers(ctx, [i for i in indices if i not in failed], layers),
                   chunks, failed)
             nbytes = sum(c.nbytes for c in chunks.values())
-            chunks = {i: stager.stage(enc) for i, enc in chunks.items()}
             self.bytes_read += nbytes
             self.observe("in", nbytes, time.monotonic() - t0)
             yield LayerGroup(g, layers, chunks, dict(failed), t0, time.monotonic(), nbytes)

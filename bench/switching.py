@@ -216,10 +216,10 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
         requests = 1 if handovers else 0
         hops = calls + requests + len(handovers)
         # every hop at its idle price: the calls' round trips, the read request's leg, each hand-over by
-        # the bytes it carried through the object store (a staged batch crosses as a tiny item: `per_ref`)
-        object_bytes = r["loaded_bytes"] - r.get("staged_bytes", 0)
+        # the bytes it carried through the object store
         idle_hops_ms = calls * round_trip_ms + requests * request_ms + (
-            len(handovers) * ho_ms + ho_ms_per_mb * object_bytes / 1e6 if object_bytes else len(handovers) * per_ref_ms)
+            len(handovers) * ho_ms + ho_ms_per_mb * r["loaded_bytes"] / 1e6 if r["loaded_bytes"]
+            else len(handovers) * per_ref_ms)
         recs.append({"ctx": c, "e2e_ms": e2e * 1000, "per_ref_ms": per_ref_ms, "round_trip_ms": round_trip_ms,
                      "hops": hops if use_ray else 0, "handover_ms": handovers if use_ray else [],
                      "idle_handover": [ho_ms, ho_ms_per_mb], "idle_hops_ms": idle_hops_ms if use_ray else 0.0,
@@ -318,7 +318,7 @@ def check_bound(args, engine, prompts, order, pool, tokens) -> int:
         f"{platform.machine()}. {args.contexts} contexts, {tokens} prompt tokens, pool {pool / 1e6:.1f} MB, "
         f"{args.calls} Markov calls a run. Bound: {BOUND_FACTOR} x the one-process mean switch_ms plus the "
         "Ray run's hops per call at idle prices (its round trips, the read request's leg when it loads, "
-        "and each hand-over by the object-store bytes it carried, a staged one as a tiny item).",
+        "and each hand-over by the object-store bytes it carried).",
         "",
         "| round | policy | one process, ms | Ray, ms | idle hops per call, ms | bound, ms | Ray against the bound |",
         "|---|---|---|---|---|---|---|",
@@ -424,8 +424,7 @@ def main(argv=None) -> int:
         lines += ["", "Hops at idle prices with their payload (a streamed item's hand-over on an idle machine, "
                   "ms + ms per MB, fitted through items of 256 KB and 4 MB / the read request's leg, an idle "
                   "one-item stream less an item's share, ms / per call: each call's round trip, the read "
-                  "request when it loads, and each hand-over by the object-store bytes it carried, a staged "
-                  f"one as a tiny item, mean ms): {idle}."]
+                  f"request when it loads, and each hand-over by the object-store bytes it carried, mean ms): {idle}."]
     lines.append(END.replace("end", "end:" + mode + ":" + thr))
     text = "\n".join(lines)
     print(text)

@@ -10,7 +10,7 @@ median of the per-round means of each version, the gain (off less on), and the r
 spread: the larger of the two versions' median absolute deviations of their per-round means. A
 switch is worth keeping where the gain is more than twice that spread.
 
-    python -m bench.tuning streaming_stores staging [--rounds 6] [--ray] [--write docs/benchmarks.md]
+    python -m bench.tuning streaming_stores plan_keys [--rounds 6] [--ray] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pathlib import Path
 from bench.markdown import publish
 
 SWITCHES: dict[str, tuple[dict, str]] = {
-    "staging": ({"staging_bytes": 0}, "ray"),
     "streaming_stores": ({"tuning": {"streaming_stores": False}}, "any"),
     "version_reuse": ({"tuning": {"version_reuse": False}}, "any"),
     "heap_freeze": ({"tuning": {"heap_freeze": False}}, "ray"),

@@ -53,8 +53,6 @@ def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster,
     got.append([o.token_ids for o in outs])
     assert got == reference[:2]
     assert sum(o.restore.loaded for o in outs) > 0  # chunks really came back from disk
-    # ... handed over through the staging area in shared memory (by default as large as the working set)
-    assert [o.restore.staged_bytes for o in outs] == [o.restore.loaded_bytes for o in outs]
     assert all(o.switch_ms > 0 for o in outs)
     # both wirings build their components from the same function: the governor actor got what the
     # in-process wiring gives the governor for the same configuration and model (30 layers, float32)
@@ -83,8 +81,8 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
     """The Fault primitive in a restore that also decodes resident chunks and loads others: the files
     of the loaded ones are corrupt, so they are recomputed after the resident ones are in (recompute
     attends to them); the replies are still exactly the engine's."""
-    # ~9 raw chunks: 4 contexts don't fit; no staging area: loaded chunks come as object-store objects
-    svc = start(tmp_path, "vllm-s", "t-mixed", pool_bytes=7 << 20, staging_bytes=0)
+    # ~9 raw chunks: 4 contexts don't fit
+    svc = start(tmp_path, "vllm-s", "t-mixed", pool_bytes=7 << 20)
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
     assert [svc.call(tok, c, p, max_tokens=8).token_ids for c, p in zip(ctxs, PROMPTS)] == reference[0]
@@ -98,7 +96,7 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
         o = svc.call(tok, c, FOLLOW[k], max_tokens=8)
         assert o.token_ids == reference[1][k]
         r = o.restore
-        assert r.recomputed >= r.faults and r.staged_bytes == 0
+        assert r.recomputed >= r.faults
         mixed.append(r.resident >= 1 and r.faults >= 1)
         # the executor de-quantized every chunk that came back whole, each once; the worker recomputed
         decoded = [i for what, i, *_ in r.timeline if what == "decode"]
@@ -125,7 +123,7 @@ def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_p
         o = svc.call(tok, c, p, max_tokens=4)
         r = o.restore
         if r.loaded and r.recomputed:
-            assert r.staged_bytes == r.loaded_bytes > 0  # the groups came through the staging area
+            assert r.loaded_bytes > 0
             tl = r.timeline
             reads = {g: (s, e) for what, g, s, e in tl if what == "read"}
             recs = {l: s for what, l, s, e in tl if what == "recompute" and l >= 0}

@@ -48,85 +48,21 @@ def test_ping_payload_yields_one_stamped_item_of_the_size_asked(tmp_path):
     assert payload.nbytes == 3000 and payload.dtype == np.uint8 and payload.all()
 
 
-def test_read_batches_stages_what_fits_in_the_consumers_shared_memory_and_hands_the_rest_over_whole(tmp_path):
-    from multiprocessing import resource_tracker, shared_memory
-
-    from actors.swapio import STAGING_ALIGN, StagedChunk
-
-    def unlink(seg):  # one process plays both sides here: the worker's attach undid the creator's
-        resource_tracker.register(seg._name, "shared_memory")  # tracker registration
-        seg.close()
-        seg.unlink()
-
-    io = KVSwapIO(str(tmp_path), "fp-test")
-    encs = {i: codecs.encode(synthetic_kv(seed=i), "q8") for i in range(5)}
-    io.write(KEY, [(i, enc, 16 * i) for i, enc in encs.items()])
-    n = encs[0].nbytes
-    offset, size = 4096, 3 * n + 2 * STAGING_ALIGN  # room for three aligned payloads, not four
-    seg = shared_memory.SharedMemory(create=True, size=offset + size + 100)
-    try:
-        area = np.ndarray(size, np.uint8, buffer=seg.buf, offset=offset)
-        before = bytes(seg.buf[:offset])
-        batches = list(io.read_batches(KEY, [3, 0, 4, 1, 2], 2, staging=(seg.name, offset, size)))
-        got = [(i, c) for bt in batches for i, c in bt.chunks]
-        assert [i for i, _ in got] == [3, 0, 4, 1, 2]
-        staged = [c for _, c in got if isinstance(c, StagedChunk)]
-        assert len(staged) == 3 and all(isinstance(c, codecs.EncodedChunk) for _, c in got[3:])
-        ends = [(c.offset, c.offset + c.nbytes) for c in staged]
-        assert all(a % STAGING_ALIGN == 0 for a, _ in ends)
-        assert all(b1 <= a2 for (_, b1), (a2, _) in zip(ends, ends[1:])) and ends[-1][1] <= size
-        for i, c in got:
-            enc = c.take(area) if isinstance(c, StagedChunk) else c
-            assert (enc.level, enc.shape, enc.dtype) == (encs[i].level, encs[i].shape, encs[i].dtype)
-            assert np.array_equal(enc.payload, encs[i].payload)
-            assert np.array_equal(codecs.decode(enc), codecs.decode(encs[i]))
-        assert bytes(seg.buf[:offset]) == before  # nothing written outside the range given
-        with pytest.raises(ValueError, match="outside segment"):
-            next(io.read_batches(KEY, [0], 1, staging=(seg.name, offset, seg.size)))
-    finally:
-        unlink(seg)
-    # a consumer restarted with a new segment: the worker maps that one
-    seg2 = shared_memory.SharedMemory(create=True, size=2 * n)
-    try:
-        (bt,) = io.read_batches(KEY, [2], 1, staging=(seg2.name, 0, 2 * n))
-        ((i, c),) = bt.chunks
-        assert isinstance(c, StagedChunk)
-        assert np.array_equal(c.take(np.ndarray(2 * n, np.uint8, buffer=seg2.buf)).payload, encs[2].payload)
-    finally:
-        unlink(seg2)
-
-
-def test_read_groups_stage_each_groups_layers_in_turn_and_the_worker_takes_them_back(tmp_path):
-    from multiprocessing import resource_tracker, shared_memory
-
-    from actors.recompute import _unstaged_group
-    from actors.swapio import StagedChunk, layer_groups
+def test_read_groups_yield_each_groups_layers_of_every_chunk_in_turn(tmp_path):
+    from actors.swapio import layer_groups
 
     io = KVSwapIO(str(tmp_path), "fp-test")
     encs = {i: codecs.encode(synthetic_kv(seed=i), "q4") for i in range(3)}
     io.write(KEY, [(i, enc, 16 * i) for i, enc in encs.items()])
-    n_layers = encs[0].shape[0]
-    groups = layer_groups(n_layers, 3)
-    seg = shared_memory.SharedMemory(create=True, size=1 << 20)
-    try:
-        area = np.ndarray(seg.size, np.uint8, buffer=seg.buf)
-        got = list(io.read_groups(KEY, [2, 0, 1], groups, staging=(seg.name, 0, seg.size)))
-        assert [g.layers for g in got] == groups
-        staged = [0]
-        offsets = []
-        for g in got:
-            assert all(isinstance(c, StagedChunk) for c in g.chunks.values())
-            offsets += [c.offset for c in g.chunks.values()]
-            back = _unstaged_group(g, area, staged)
-            for i, enc in back.chunks.items():  # each the same layers as a direct read
-                ((_, want),) = io.store.read_layers(KEY, [i], g.layers)
-                assert enc.first_layer == g.layers.start and np.array_equal(enc.payload, want.payload)
-        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)  # never overwritten
-        assert staged[0] == sum(g.nbytes for g in got) == io.bytes_read
-    finally:
-        resource_tracker.register(seg._name, "shared_memory")  # undone by the worker's attach
-        seg.close()
-        seg.unlink()
+    groups = layer_groups(encs[0].shape[0], 3)
+    got = list(io.read_groups(KEY, [2, 0, 1], groups))
+    assert [g.layers for g in got] == groups and [g.index for g in got] == list(range(len(groups)))
+    for g in got:
+        assert sorted(g.chunks) == [0, 1, 2] and not g.failed
+        for i, enc in g.chunks.items():  # each the same layers as a direct read
+            ((_, want),) = io.store.read_layers(KEY, [i], g.layers)
+            assert enc.first_layer == g.layers.start and np.array_equal(enc.payload, want.payload)
+    assert sum(g.nbytes for g in got) == io.bytes_read
 
 
 def test_writes_ahead_of_time_wait_while_a_restore_runs_and_writes_on_demand_do_not(tmp_path, monkeypatch):
