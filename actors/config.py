@@ -18,9 +18,6 @@ class Tuning:
     version_reuse: bool = True
     """The executor keeps its last commits' token ids and state; a plan leaves them out while they are
     current. Off: every plan carries them."""
-    heap_freeze: bool = True
-    """Each actor freezes the objects of its start (`storage.heap.freeze_startup_objects`), so no full
-    garbage collection walks them during a call."""
     heap_retain: bool = True
     """Each actor keeps freed heap memory for reuse (`storage.heap.retain_freed_memory`; the
     `LLMAAS_HEAP_RETAIN_MIB` variable still sets or disables it when on)."""
@@ -111,14 +108,6 @@ def heap_at_start(tuning: Tuning) -> None:
         from storage.heap import retain_freed_memory
 
         retain_freed_memory()
-
-
-def heap_after_start(tuning: Tuning) -> None:
-    """Last in an actor's start: freeze the objects made so far (`Tuning.heap_freeze`)."""
-    if tuning.heap_freeze:
-        from storage.heap import freeze_startup_objects
-
-        freeze_startup_objects()
 
 
 def prepare_data_dir(path: str | os.PathLike) -> None:

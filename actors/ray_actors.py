@@ -33,7 +33,7 @@ from pathlib import Path
 
 import ray
 
-from actors.config import ServiceConfig, Tuning, heap_after_start, heap_at_start, private_files
+from actors.config import ServiceConfig, Tuning, heap_at_start, private_files
 from actors.service import Components
 from actors.messages import PoolRef, WithReleases
 from actors.ray_restore import RayRestorer, per_ref_seconds
@@ -118,7 +118,6 @@ class IOActor(KVSwapIO, Health):
             m.swap_seconds.labels(direction).inc(seconds)
 
         self.observe = observe
-        heap_after_start(tuning)  # no full collection walks Ray's and the store's objects mid-restore
 
 
 class GovernorActor(Health):
@@ -161,7 +160,6 @@ class GovernorActor(Health):
         # their cost is not inside the reply of the call that made it (a switch's `begin_call`)
         self._lock = threading.Lock()
         threading.Thread(target=self._publisher, name="publish-gauges", daemon=True).start()
-        heap_after_start(parts.tuning)  # no full collection walks the start-up's objects inside a `begin_call`
 
     def components(self) -> Components:
         """What this actor was built with (a test compares the two wirings)."""
@@ -371,7 +369,6 @@ class ExecutorActor(Health):
         self.metrics.start("executor", c.data_dir)
         init_executor_series(self.metrics, self.policy)
         restarted("executor", c.data_dir, self.metrics)
-        heap_after_start(parts.tuning)  # no full collection walks torch's, Ray's and the model's objects in a call
 
     def _observe(self, out: dict) -> None:
         from actors.metrics import switch_outcome

@@ -20,7 +20,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from actors.config import Tuning, heap_after_start, heap_at_start, private_files
+from actors.config import Tuning, heap_at_start, private_files
 from actors.messages import RestoreRequest, RestoreStats
 from actors.restore import restore
 from engine.config import ModelConfig
@@ -88,7 +88,6 @@ class RecomputeWorker:
         self.io = io
         self.shm = None
         self.ws: KVCache | None = None
-        heap_after_start(tuning)  # no full collection walks torch's and the model's objects mid-restore
 
     def _attach(self, name: str, capacity: int) -> KVCache:
         """Map the executor's working set; again after the executor restarted with a new segment."""

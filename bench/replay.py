@@ -40,6 +40,7 @@ from actors.metrics import SWITCH_OUTCOMES, switch_outcome
 from bench.switching import (
     POLICIES,
     close_service,
+    freeze_startup_objects,
     long_prompts,
     open_service,
     outcome_dict,
@@ -47,7 +48,6 @@ from bench.switching import (
     wait_idle,
 )
 from bench.traces import Trace, TraceRecord
-from storage.heap import freeze_startup_objects
 
 SUMMARY_FORMAT, SUMMARY_VERSION = "llmaas-replay", 1  # summary.json's "format" and "version"
 CALLS_CSV, SUMMARY_JSON, TRACE_JSONL = "calls.csv", "summary.json", "trace.jsonl"  # file names in a results dir
@@ -236,8 +236,7 @@ def replay(trace: Trace, config: ReplayConfig, engine, data_root: str | Path, *,
                 ctx_ids.append(svc.new_ctx(token, None))
                 svc.call(token, ctx_ids[-1], text, max_tokens=1)
                 wait_idle(svc)
-            # as the actors do after their start (storage.heap.freeze_startup_objects): no full
-            # collection of this process's objects (torch, the model, earlier policies'; 80-120 ms)
+            # no full collection of this process's objects (torch, the model, earlier policies'; 80-120 ms)
             # lands inside a replayed call; one did once, a 102 ms `llms` switch in a 30-call run
             freeze_startup_objects()
             bar = _bar(len(calls), policy) if progress else None

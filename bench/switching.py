@@ -25,10 +25,23 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.heap import freeze_startup_objects
-
 BEGIN, END = "<!-- switching:begin -->", "<!-- switching:end -->"
 POLICIES = ["lmk", "swap", "vllm-s", "vllm-sq", "llms"]
+
+
+def freeze_startup_objects() -> int:
+    """Collect garbage once and move every object alive now out of the cyclic collector's sight
+    (`gc.freeze`); returns how many were frozen. A benchmark calls it before its timed calls.
+
+    Why: a process holding torch, Ray and a model tracks hundreds of thousands of objects, and a full
+    (oldest generation) collection walks them all (~120 ms), a pause that lands inside whichever
+    timed call is running when the collector decides to run one, in one run's calls and not another's.
+    Frozen, they are never walked again; objects made later are collected as usual."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def markov_order(n_ctx: int, calls: int, seed: int, decay: float = 0.5) -> list[int]:
@@ -194,7 +207,7 @@ def run_policy(policy, engine, prompts, order, pool_bytes, throttle, use_ray, tm
         svc.call(tok, c, p, max_tokens=1)
         ctxs.append(c)
         wait_idle(svc)
-    # as the actors do after their start: no full collection of this process's ~320 thousand objects
+    # no full collection of this process's ~320 thousand objects
     # (torch, Ray, the model; 120 ms) lands in one run's calls and not the other's, which distorted
     # comparisons (the first one-process run after `import ray`: 9.3 against 6.0 ms)
     freeze_startup_objects()

@@ -1,8 +1,7 @@
-"""Keep freed heap memory for reuse instead of handing it back to the kernel (glibc `mallopt`), and
-freeze a long-lived process's start-up objects out of the cyclic collector's sight.
+"""Keep freed heap memory for reuse instead of handing it back to the kernel (glibc `mallopt`).
 
-This module deliberately knows nothing about chunks, codecs or files: it sets process-wide
-allocator and collector knobs, and the caller decides when.
+This module deliberately knows nothing about chunks, codecs or files: it sets a process-wide
+allocator knob, and the caller decides when.
 
 Why: every fresh page a process touches costs a page fault. glibc serves allocations above its mmap
 threshold (128 KiB, raised dynamically up to 32 MiB) with fresh mappings and trims the heap's free
@@ -46,18 +45,3 @@ def retain_freed_memory(trim_mib: int | None = None) -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     trim = min(trim_mib, 1 << 10) << 20
     return mallopt(M_MMAP_THRESHOLD, min(MMAP_THRESHOLD_MAX, trim)) == 1 and mallopt(M_TRIM_THRESHOLD, trim) == 1
-
-
-def freeze_startup_objects() -> int:
-    """Collect garbage once and move every object alive now out of the cyclic collector's sight
-    (`gc.freeze`); returns how many were frozen. Call it at the end of a long-lived process's start.
-
-    Why: a process holding torch, Ray and a model tracks hundreds of thousands of objects, and a full
-    (oldest generation) collection walks them all, a pause that lands inside whichever call is
-    running when the collector decides to run one. Frozen, they are never walked again; objects made
-    later are collected as usual (docs/benchmarks.md, "Context switching")."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
