@@ -60,7 +60,5 @@ class CtxBook:
     kv_tokens: int = 0
     """Tokens of the context that have chunks (K/V computed at least once)."""
     chunks: dict[int, Chunk] = field(default_factory=dict)
-    version: int = 0
-    """Names the context's saved token ids and state: a new number at every commit (see `begin_call`)."""
     request_id: str | None = None
     """The request id of the last committed call: a call retried with it appends nothing."""

@@ -15,9 +15,6 @@ class Tuning:
 
     streaming_stores: bool = True
     """De-quantize a restore of `actors.restore.STREAM_MIN_BYTES` or more with non-temporal stores."""
-    version_reuse: bool = True
-    """The executor keeps its last commits' token ids and state; a plan leaves them out while they are
-    current. Off: every plan carries them."""
     heap_retain: bool = True
     """Each actor keeps freed heap memory for reuse (`storage.heap.retain_freed_memory`; the
     `LLMAAS_HEAP_RETAIN_MIB` variable still sets or disables it when on)."""

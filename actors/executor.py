@@ -22,7 +22,6 @@ import json
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -50,12 +49,6 @@ def density_from_blob(blob: bytes, tr: DensityTracker) -> None:
     n = len(blob) // 16
     tr.sums = np.frombuffer(blob[: 8 * n], "<f8").copy()
     tr.rows = np.frombuffer(blob[8 * n :], "<i8").copy()
-
-
-SAVED_CONTEXTS = 64
-"""Contexts whose token ids and state an executor keeps from its own commits (a few tens of KB each),
-so that `begin_call` need not read or send them: on Ray a 2K-token context's plan is ~40 KB with
-them and ~3 KB without."""
 
 
 class CallTimeoutError(TimeoutError):
@@ -176,14 +169,11 @@ class ModelExecutor:
         put: Callable[[list[codecs.EncodedChunk]], list[Any]] = list,
         background: bool = True,
         overlap_admit: bool = False,
-        version_reuse: bool = True,
     ) -> None:
         """`background`: write back after the reply on a thread of its own. `overlap_admit`: a call
         waits for the previous write-back only until it has encoded its chunks from the working set,
         unless both are on the same context (`ServiceConfig.overlap_admit`); the governor port must
-        then take calls from two threads at once (the Ray stub's actor serialises them).
-        `version_reuse`: offer the version of a context this executor committed, so that its plan
-        leaves out what the executor holds (`actors.config.Tuning.version_reuse`)."""
+        then take calls from two threads at once (the Ray stub's actor serialises them)."""
         self.engine = engine
         self.model = engine.model
         self.gov = governor
@@ -205,11 +195,10 @@ class ModelExecutor:
         self._encoded.set()
         self._pending_views = False  # that write-back reads views of its chunks taken at the commit
         self.overlap_admit = overlap_admit and background
-        self.version_reuse = version_reuse
         self._lock = threading.Lock()
-        self._saved: OrderedDict[str, tuple[int, np.ndarray, str, bytes]] = OrderedDict()
-        """Context -> (version, token ids, state, density) as this executor last committed them, the
-        most recent `SAVED_CONTEXTS`: `begin_call` leaves them out of the plan while still current."""
+        self._last_commit: tuple[str, str] | None = None
+        """(context, state JSON) of this executor's last commit: a call the working set answers gets
+        no state with its plan, and checks its request id against this (`_committed_outcome`)."""
 
     @property
     def ws_ctx(self) -> str | None:
@@ -373,16 +362,7 @@ class ModelExecutor:
         if behind:  # not a call the working set answers: wait for the lock as before
             self.flush()
         cached = self.ws_ctx == ctx_id and not self.ws.missing
-        saved = self._saved.get(ctx_id)
-        plan = self.gov.begin_call(ctx_id, app, cached=cached,
-                                   known=saved[0] if saved and self.version_reuse else None)
-        if plan.reused:
-            if saved is None or saved[0] != plan.version:  # not expected: the governor checked
-                self.gov.abort_call(ctx_id)
-                raise RuntimeError(f"the plan of {ctx_id} reuses version {plan.version}, which this "
-                                   "executor does not hold")
-            _v, plan.token_ids, plan.state, plan.density = saved
-        return _Step(plan, cached, None, None)
+        return _Step(self.gov.begin_call(ctx_id, app, cached=cached), cached, None, None)
 
     def _held(self, ctx: str, app: str | None) -> LiveContext | None:
         """The engine context of `ctx` when the working set holds it whole from this app's last call."""
@@ -394,8 +374,8 @@ class ModelExecutor:
         """The outcome of the call `request_id` names when the context's last commit was that call."""
         if request_id is None:
             return None
-        saved = self._saved.get(step.plan.ctx)
-        state_json = step.plan.state if step.ectx is None else (saved[2] if saved else None)
+        last = self._last_commit
+        state_json = step.plan.state if step.ectx is None else (last[1] if last and last[0] == step.plan.ctx else None)
         if not state_json or json.dumps(request_id) not in state_json:  # the usual case, without parsing
             return None
         state = json.loads(state_json)
@@ -522,10 +502,7 @@ class ModelExecutor:
                                      request_id=request_id)
         if reply.repeated:  # not expected (`_committed_outcome` answered such a call before it ran)
             raise RuntimeError(f"call {request_id} on {plan.ctx} was committed twice")
-        self._saved[plan.ctx] = (reply.version, np.asarray(ectx.token_ids, dtype=np.int32), state_json, density)
-        self._saved.move_to_end(plan.ctx)
-        while len(self._saved) > SAVED_CONTEXTS:
-            self._saved.popitem(last=False)
+        self._last_commit = (plan.ctx, state_json)
         return reply.todo
 
     def _write_back(self, ctx: str, todo: dict[int, str], done_reading: threading.Event | None = None,

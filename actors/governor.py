@@ -24,10 +24,8 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -94,9 +92,6 @@ class MemoryGovernor:
         self.planner = CompressionPlanner(self.policy.compression_config(self.cfg.dtype))
         self.profile = profile or CostProfile.fit([(1, 0.01), (100, 1.0)], [(1 << 20, 0.001), (100 << 20, 0.1)])
         self.books: dict[str, CtxBook] = {}
-        # versions start at a random number per governor: a caller's copy from an earlier governor
-        # process (a restart) never matches one of this one's
-        self._versions = itertools.count(int.from_bytes(os.urandom(6), "big") << 16)
         self.locked: set[str] = set()
         self.restores = RestoreLog(max_records=10_000)  # (predicted, measured) as planned
         self.model_restores = RestoreLog(max_records=10_000)  # (the profile alone, measured)
@@ -114,7 +109,7 @@ class MemoryGovernor:
         self.registry.drop_resident()
         for app in self.registry.apps():
             for summary in self.registry.list_contexts(app):
-                book = CtxBook(app, version=next(self._versions))
+                book = CtxBook(app)
                 saved = self.registry.load_state(summary.id)
                 if saved is not None:
                     state = json.loads(saved[0])
@@ -169,7 +164,7 @@ class MemoryGovernor:
             ctx = self.registry.create_context(app, system_prompt)
             if state is not None:
                 self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, b"")
-        self.books[ctx] = CtxBook(app, version=next(self._versions))
+        self.books[ctx] = CtxBook(app)
         return ctx
 
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
@@ -244,16 +239,10 @@ class MemoryGovernor:
         }
 
     # ---- a call -----------------------------------------------------------------------------------
-    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False,
-                   known: int | None = None) -> CallPlan:
+    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False) -> CallPlan:
         """Lock `ctx` and plan its restore (making room in the pool for what will be loaded).
-        `cached`: the executor's working set still holds this context whole, nothing to restore.
-        `known`: the version of the context's token ids and state the executor kept from its last
-        `commit_call`; while it is current they are neither read nor sent (`CallPlan.reused`)."""
-        book = self.books.get(ctx)
-        reuse = known is not None and book is not None and book.version == known and app in (None, book.app)
-        # otherwise the registry's row: UnknownContextError for another app's context
-        row = None if reuse else self.registry.get_context(ctx, app)
+        `cached`: the executor's working set still holds this context whole, nothing to restore."""
+        row = self.registry.get_context(ctx, app)  # UnknownContextError for another app's context
         if ctx in self.locked:
             raise ContextBusyError("context is in use by another call")
         book = self.books[ctx]
@@ -271,8 +260,8 @@ class MemoryGovernor:
         return lambda: None
 
     def _plan(self, ctx: str, book: CtxBook, row, cached: bool) -> CallPlan:
-        """`row`: the context's registry row, None to leave its token ids and state out."""
-        saved = self.registry.load_state(ctx) if row is not None else None
+        """`row`: the context's registry row."""
+        saved = self.registry.load_state(ctx)
         n_chunks = 0 if cached else -(-book.kv_tokens // self.cfg.chunk_tokens)
         resident, missing, forced = [], [], []
         for i in range(n_chunks):
@@ -308,7 +297,7 @@ class MemoryGovernor:
             self._pending[ctx] = (shape, stages, corrected, model, predicted)
         return CallPlan(
             ctx=ctx,
-            token_ids=np.array(row.token_ids if row is not None else (), dtype=np.int32),
+            token_ids=np.array(row.token_ids, dtype=np.int32),
             state=saved[0] if saved else None,
             density=saved[1] if saved else b"",
             kv_tokens=book.kv_tokens,
@@ -319,8 +308,6 @@ class MemoryGovernor:
             model_predicted_s=model,
             evicted_for_restore=evicted,
             wrote_on_demand=wrote,
-            version=book.version,
-            reused=row is None,
         )
 
     def set_profile(self, profile_json: str) -> None:
@@ -366,7 +353,7 @@ class MemoryGovernor:
         `first_modified` is the first chunk whose K/V the call changed (the old partial chunk, or 0
         after an overflow). The reply lists {chunk index: level} for every chunk the executor must
         encode now (the modified ones, those whose planned level dropped, and recomputed ones,
-        `restored`), and the new version of the context's token ids and state (`begin_call`'s `known`).
+        `restored`).
 
         `request_id` makes the commit idempotent: when the context's last commit carried the same id
         (a call retried after its executor stopped between the commit and the reply), nothing is
@@ -375,9 +362,8 @@ class MemoryGovernor:
         """
         book = self.books[ctx]
         if request_id is not None and request_id == book.request_id:
-            return CommitReply({}, book.version, repeated=True)
+            return CommitReply({}, repeated=True)
         self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, density)
-        book.version = next(self._versions)
         book.request_id = request_id
         n_chunks = -(-kv_tokens // self.cfg.chunk_tokens)
         stale = [i for i in book.chunks if i >= first_modified or i >= n_chunks]
@@ -403,7 +389,7 @@ class MemoryGovernor:
                 todo[i] = plan.levels[i]
             if ch is not None:
                 ch.density = float(chunk_density[i])
-        return CommitReply(todo, book.version)
+        return CommitReply(todo)
 
     def room(self) -> float | None:
         """The mean compression ratio the pool allows now (None when `raw_chunk_bytes` is unknown):

@@ -101,10 +101,6 @@ class CallPlan:
     """Chunks evicted to make room for this restore."""
     wrote_on_demand: int = 0
     """Chunks written to disk during this call's switch (on-demand swap-out)."""
-    version: int = 0
-    """The version of the context's token ids and state (a new number at every commit)."""
-    reused: bool = False
-    """`token_ids`, `state` and `density` were left out (empty): the caller said it holds this version."""
 
 
 @dataclass(slots=True)
@@ -113,8 +109,6 @@ class CommitReply:
 
     todo: dict[int, str]
     """Chunk index -> level, for every chunk the executor must encode and `admit` now."""
-    version: int
-    """The new version of the context's token ids and state (`begin_call`'s `known`)."""
     repeated: bool = False
     """The call's request id had already been committed: nothing was appended this time."""
 

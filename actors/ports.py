@@ -51,8 +51,7 @@ class GovernorPort(Protocol):
         """Delete a context, its chunks and files."""
 
     # ---- a call
-    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False,
-                   known: int | None = None) -> CallPlan:
+    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False) -> CallPlan:
         """Lock the context and plan its restore."""
 
     def begin_cached_call(self, ctx: str, app: str | None) -> Callable[[], None]:

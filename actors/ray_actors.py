@@ -204,11 +204,11 @@ class GovernorActor(Health):
             g.delete_ctx(ctx, app)
 
     # the executor's calls: each answer carries the keys released since the executor last heard
-    def begin_call(self, ctx: str, app: str | None, cached: bool = False, known: int | None = None) -> WithReleases:
+    def begin_call(self, ctx: str, app: str | None, cached: bool = False) -> WithReleases:
         """The plan, its resident chunks named by key (the executor holds their refs), or by their
         whole handles without `Tuning.plan_keys`."""
         with self._books() as g:
-            plan = g.begin_call(ctx, app, cached=cached, known=known)
+            plan = g.begin_call(ctx, app, cached=cached)
             if self.plan_keys:
                 plan.resident = [(i, level, h.key if isinstance(h, PoolRef) else h) for i, level, h in plan.resident]
             return self._with_releases(plan)
@@ -353,7 +353,7 @@ class ExecutorActor(Health):
         self.refs = refs
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=refs.put, background=True,  # write-back after the reply
-                                overlap_admit=c.overlap_admit, version_reuse=t.version_reuse)
+                                overlap_admit=c.overlap_admit)
         # after a restart: the call in flight died with the old process, whose objects (the resident
         # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
         interrupted = self.ex.gov.executor_started()

@@ -166,9 +166,8 @@ class GovernorStub:
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
         retry.call(self.handle.delete_ctx, ctx, app)
 
-    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False,
-                   known: int | None = None) -> CallPlan:
-        return self._unwrap(retry.call(self.handle.begin_call, ctx, app, cached, known))
+    def begin_call(self, ctx: str, app: str | None = None, cached: bool = False) -> CallPlan:
+        return self._unwrap(retry.call(self.handle.begin_call, ctx, app, cached))
 
     def begin_cached_call(self, ctx: str, app: str | None) -> Callable[[], None]:
         """Sent without waiting; the returned function waits for it and raises its error."""

@@ -229,7 +229,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)
     t = parts.tuning
     restorer = InProcessRestorer(engine.model, io, streaming_stores=t.streaming_stores, hold_writes=t.hold_writes)
-    executor = ModelExecutor(engine, governor, restorer, version_reuse=t.version_reuse)
+    executor = ModelExecutor(engine, governor, restorer)
 
     def close() -> None:
         executor.flush()

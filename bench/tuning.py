@@ -29,7 +29,6 @@ from bench.markdown import publish
 
 SWITCHES: dict[str, tuple[dict, str]] = {
     "streaming_stores": ({"tuning": {"streaming_stores": False}}, "any"),
-    "version_reuse": ({"tuning": {"version_reuse": False}}, "any"),
     "heap_retain": ({"tuning": {"heap_retain": False}}, "ray"),
     "handover_sizing": ({"tuning": {"handover_sizing": False}}, "ray"),
     "plan_keys": ({"tuning": {"plan_keys": False}}, "ray"),

@@ -84,7 +84,7 @@ class FakeGovernor:
         self.saved["c1"] = (list(token_ids), state)
         return "c1"
 
-    def begin_call(self, ctx, app=None, cached=False, known=None):
+    def begin_call(self, ctx, app=None, cached=False):
         self.log.append("begin_call")
         ids, state = self.saved[ctx]
         return CallPlan(ctx, np.asarray(ids, np.int32), state, b"", 0, [], [], [])
@@ -197,10 +197,10 @@ class GatedGovernor(FakeGovernor):
         self.saved[f"c{self.n}"] = (list(token_ids), state)
         return f"c{self.n}"
 
-    def begin_call(self, ctx, app=None, cached=False, known=None):
+    def begin_call(self, ctx, app=None, cached=False):
         if ctx in self.pending:
             self.early.append(ctx)
-        plan = super().begin_call(ctx, app, cached, known)
+        plan = super().begin_call(ctx, app, cached)
         self.planned(ctx).set()
         return plan
 

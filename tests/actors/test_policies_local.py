@@ -244,50 +244,6 @@ def test_lossy_policies_stay_within_perplexity_bound(policy, small_engine, texts
     svc.close()
 
 
-def test_plans_leave_out_the_token_ids_and_state_the_executor_committed_while_they_are_current(small_engine, tmp_path):
-    from storage.errors import UnknownContextError
-
-    svc = wire_local(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=64 << 20,
-                                     max_context_tokens=512, profile=PROFILE), engine=small_engine)
-    tok = svc.bind("app")
-    a, b = svc.new_ctx(tok, "Be brief."), svc.new_ctx(tok, "Be brief.")
-    gov, ex = svc.governor, svc.executor
-    asked = []
-    begin = gov.begin_call
-    gov.begin_call = lambda *args, **kw: asked.append(kw.get("known")) or begin(*args, **kw)
-    first = [svc.call(tok, c, "Name a colour.", max_tokens=3).token_ids for c in (a, b)]
-    assert asked == [None, None]  # nothing committed yet: the plans carried everything
-    committed = [ex._saved[c][0] for c in (a, b)]
-    again = [svc.call(tok, c, "And another?", max_tokens=3) for c in (a, b)]
-    assert asked[2:] == committed  # each switch back offered the executor's copy
-    ex.flush()
-    gov.begin_call = begin
-    version, ids, state, density = ex._saved[a]
-    assert version == gov.books[a].version and len(ids) > len(first[0])
-
-    plan = gov.begin_call(a, "app", known=version)
-    assert plan.reused and plan.version == version
-    assert len(plan.token_ids) == 0 and plan.state is None and plan.density == b""
-    gov.abort_call(a)
-    full = gov.begin_call(a, "app", known=version - 1)  # an older copy: everything comes with the plan
-    assert not full.reused and full.version == version
-    assert np.array_equal(full.token_ids, ids) and full.state == state and full.density == density
-    gov.abort_call(a)
-    with pytest.raises(UnknownContextError):  # another app's context stays unknown, copy or not
-        gov.begin_call(a, "other", known=version)
-    assert a not in gov.locked
-
-    # a new commit makes a new version; the switch back to `a` restores it with the executor's copy
-    out = svc.call(tok, a, "Thanks.", max_tokens=3)
-    assert ex._saved[a][0] != version and ex._saved[a][0] == gov.books[a].version
-    assert not out.hit and out.restore.resident + out.restore.loaded > 0
-    ref = ContextEngine(small_engine.model, small_engine.tok, EngineConfig(max_context_tokens=512))
-    rc = ref.new_ctx("Be brief.")
-    want = [ref.call(rc, p, max_tokens=3).token_ids for p in ("Name a colour.", "And another?", "Thanks.")]
-    assert [first[0], again[0].token_ids, out.token_ids] == want
-    svc.close()
-
-
 def test_overflow_inside_the_service_keeps_kv_and_density_consistent(small_engine, tmp_path):
     """A context that passes its limit is cut back inside a call (a new, shorter sequence): the
     executor's working set must take over the re-prefilled K/V, so that later calls (working set hit,
@@ -344,23 +300,6 @@ def test_a_service_sized_otherwise_keeps_the_engines_fingerprint(engine, tmp_pat
         assert svc.model_id == svc.parts.engine.fingerprint == engine.fingerprint
     finally:
         svc.close()
-
-
-def test_version_reuse_off_sends_everything_with_every_plan(small_engine, tmp_path):
-    from actors.config import Tuning
-
-    svc = wire_local(ServiceConfig(data_dir=str(tmp_path), policy="swap", pool_bytes=64 << 20, max_context_tokens=512,
-                                   profile=PROFILE, tuning=Tuning(version_reuse=False)), engine=small_engine)
-    tok = svc.bind("app")
-    a, b = svc.new_ctx(tok, "Be brief."), svc.new_ctx(tok, "Be brief.")
-    asked = []
-    begin = svc.governor.begin_call
-    svc.governor.begin_call = lambda *args, **kw: asked.append(kw.get("known")) or begin(*args, **kw)
-    for c in (a, b, a, b):
-        svc.call(tok, c, "Name a colour.", max_tokens=2)
-    assert asked == [None] * 4
-    svc.close()
-
 
 def test_loaded_chunks_are_decoded_while_later_ones_are_read(small_engine, tmp_path):
     """In one process a restore without recompute hands each loaded chunk to the decode pool as soon

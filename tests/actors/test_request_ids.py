@@ -76,9 +76,8 @@ def test_the_governor_refuses_to_commit_one_request_twice(svc):
     svc.flush()  # the write-back unlocks the context
     gov = svc.governor
     gov.begin_call(ctx, "app")
-    book = gov.books[ctx]
     reply = gov.commit_call(ctx, [1, 2, 3], "x", "{}", b"", 0, [], 0, request_id="once")
-    assert reply.repeated and reply.todo == {} and reply.version == book.version
+    assert reply.repeated and reply.todo == {}
     gov.abort_call(ctx)
     # the id survives a rebuild of the books from the registry
     gov.executor_started()

@@ -15,14 +15,14 @@ from actors.config import ServiceConfig, Tuning, tuning_from
 def test_tuning_defaults_to_everything_on():
     t = ServiceConfig().tuning
     assert t == Tuning()
-    assert t.streaming_stores and t.version_reuse and t.heap_retain
+    assert t.streaming_stores and t.heap_retain
     assert t.handover_sizing and t.plan_keys and t.hold_writes and t.object_chunks == 16
 
 
 def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():
     t = tuning_from({"streaming_stores": "false", "plan_keys": False, "heap_retain": "0", "object_chunks": "4"})
     assert t == Tuning(streaming_stores=False, plan_keys=False, heap_retain=False, object_chunks=4)
-    assert ServiceConfig(tuning={"version_reuse": "off"}).tuning == Tuning(version_reuse=False)
+    assert ServiceConfig(tuning={"hold_writes": "off"}).tuning == Tuning(hold_writes=False)
 
 
 @pytest.mark.parametrize("options, message", [
