@@ -18,9 +18,6 @@ class Tuning:
     heap_retain: bool = True
     """Each actor keeps freed heap memory for reuse (`storage.heap.retain_freed_memory`; the
     `LLMAAS_HEAP_RETAIN_MIB` variable still sets or disables it when on)."""
-    handover_sizing: bool = True
-    """On Ray: layer groups and batches sized with the hand-over cost observed in recent restores
-    (`scheduler.pipeline.HandoverCost`). Off: with the idle cost measured at start."""
     plan_keys: bool = True
     """On Ray: a plan names resident chunks by key, which the executor maps back to the object refs it
     holds. Off: the plan carries the handles, refs included."""

@@ -19,7 +19,7 @@ from actors.ray_stubs import resolve_chunks
 from actors.restore import restore
 from actors.swapio import ChunkBatch, layer_groups
 from engine.threads import single_threaded_torch
-from scheduler.pipeline import HandoverCost, layer_group_size
+from scheduler.pipeline import layer_group_size
 from storage import codecs
 
 
@@ -27,8 +27,7 @@ class RayRestorer:
     """A restore on Ray. With recompute planned, the recompute worker does it, consuming the IO worker's
     stream of layer groups, sized per restore so that handing a group over (one object ref) costs
     under a tenth of reading it (scheduler.pipeline.layer_group_size), at the read rate last observed
-    and the hand-over cost observed in recent restores (`HandoverCost`; never below the cost measured
-    at start; only that cost without `Tuning.handover_sizing`). Without, this executor does it
+    and the hand-over cost measured at start (`per_ref_seconds`). Without, this executor does it
     (`_restore_here`)."""
 
     def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
@@ -42,7 +41,6 @@ class RayRestorer:
         self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
         self.shm_name, self.capacity = shm_name, capacity
         self.per_ref_s = per_ref_s
-        self.handover = HandoverCost(per_ref_s)  # what a hand-over costs during restores, >= the idle figure
         self.read_rate = read_rate
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
@@ -53,13 +51,13 @@ class RayRestorer:
     def group_size(self, plan) -> int:
         if not plan.recompute:  # nothing to overlap the reads with: one group, one hand-over
             return self.cfg.n_layers
-        return layer_group_size(self.cfg.n_layers, self.handover.seconds, self.read_rate.s_per_byte,
+        return layer_group_size(self.cfg.n_layers, self.per_ref_s, self.read_rate.s_per_byte,
                                 self._load_nbytes(plan))
 
     def batch_size(self, plan) -> int:
         """Loaded chunks per streamed batch of `_restore_here`: the rule of `group_size`, over chunks."""
         n = len(plan.load)
-        return layer_group_size(n, self.handover.seconds, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
+        return layer_group_size(n, self.per_ref_s, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
 
     def restore(self, ws, plan):
         hold = self.tuning.hold_writes and bool(plan.load or plan.recompute or plan.resident)
@@ -144,9 +142,6 @@ class RayRestorer:
         reads = [(a, b) for what, _g, a, b in res.timeline if what == "read"]
         if reads and res.loaded_bytes:
             self.read_rate.observe(sum(b - a for a, b in reads), res.loaded_bytes)
-        for what, _g, a, b in res.timeline:
-            if what == "handover" and self.tuning.handover_sizing:
-                self.handover.observe(b - a)
         res.timeline.append(("group_layers", size, 0.0, 0.0))
         ws.missing = set()
         # chunks not read whole (layer by layer, or not at all) are encoded from the working set after the call

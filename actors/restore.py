@@ -61,7 +61,7 @@ def handed_over(items: Iterable, events: list) -> Iterator:
     """`items` (layer groups or chunk batches: each has `index` and `read_end`) as they come, adding a
     ("handover", index, ready, got) event for each to `events`: from when both it was read and this
     consumer was waiting for it, to when the consumer had it (one host: one monotonic clock, across
-    processes too). What a hand-over costs, for `scheduler.pipeline.HandoverCost`."""
+    processes too)."""
     it = iter(items)
     while True:
         waiting = time.monotonic()

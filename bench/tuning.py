@@ -30,7 +30,6 @@ from bench.markdown import publish
 SWITCHES: dict[str, tuple[dict, str]] = {
     "streaming_stores": ({"tuning": {"streaming_stores": False}}, "any"),
     "heap_retain": ({"tuning": {"heap_retain": False}}, "ray"),
-    "handover_sizing": ({"tuning": {"handover_sizing": False}}, "ray"),
     "plan_keys": ({"tuning": {"plan_keys": False}}, "ray"),
     "object_chunks": ({"tuning": {"object_chunks": 1}}, "ray"),
     "hold_writes": ({"tuning": {"hold_writes": False}}, "any"),

@@ -335,37 +335,6 @@ def layer_group_size(n_layers: int, per_ref_s: float, io_s_per_byte: float, load
     return max(1, min(n_layers, math.ceil(per_ref_s / ref_share / per_layer_s)))
 
 
-class HandoverCost:
-    """What handing one streamed group over costs while a restore runs, seconds: the median of the last
-    ``window`` hand-overs observed (from the moment both the group was read and its consumer was
-    waiting for it, to the moment the consumer had it), never below ``floor_s``, the cost measured on
-    an idle machine at start.
-
-    Why: when a restore keeps every core busy, a hand-over (serialize, the object store, wake the
-    consumer) waits for a core and costs several times the idle figure; groups sized with the idle
-    figure come out too small and the switch gets slower (docs/benchmarks.md, "Context switching")."""
-
-    __slots__ = ("floor_s", "_recent")
-
-    def __init__(self, floor_s: float, window: int = 9) -> None:
-        count("window", window, 1)
-        if not (math.isfinite(floor_s) and floor_s >= 0):
-            raise ValueError(f"floor_s must be finite seconds >= 0, got {floor_s!r}")
-        self.floor_s = float(floor_s)
-        self._recent: deque[float] = deque(maxlen=window)
-
-    def observe(self, seconds: float) -> None:
-        """One hand-over's seconds (negative values, from clocks read in two processes, count as 0)."""
-        if math.isfinite(seconds):
-            self._recent.append(max(0.0, float(seconds)))
-
-    @property
-    def seconds(self) -> float:
-        if not self._recent:
-            return self.floor_s
-        return max(self.floor_s, statistics.median(self._recent))
-
-
 class ReadRate:
     """Seconds per byte of the IO worker's reads as last observed (exponentially weighted), seeded by
     the profile: the profile's throttle may not match the running store's."""

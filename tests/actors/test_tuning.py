@@ -16,7 +16,7 @@ def test_tuning_defaults_to_everything_on():
     t = ServiceConfig().tuning
     assert t == Tuning()
     assert t.streaming_stores and t.heap_retain
-    assert t.handover_sizing and t.plan_keys and t.hold_writes and t.object_chunks == 16
+    assert t.plan_keys and t.hold_writes and t.object_chunks == 16
 
 
 def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():
@@ -65,22 +65,3 @@ def test_streaming_stores_switch_turns_non_temporal_stores_off():
     n = -(-STREAM_MIN_BYTES // (16 * per_token))
     assert use_streaming_stores(ws, n) and not use_streaming_stores(ws, n - 1)
     assert not use_streaming_stores(ws, n, enabled=False)
-
-
-def test_handover_sizing_off_keeps_the_idle_cost():
-    from types import SimpleNamespace
-
-    from actors.ray_restore import RayRestorer
-    from actors.messages import RestoreStats
-
-    cfg = SimpleNamespace(n_layers=8, n_kv_heads=2, head_dim=32)
-    ws = SimpleNamespace(missing=set())
-    for sizing in (True, False):
-        r = RayRestorer(None, cfg, "seg", 64, 16, 1e-4, SimpleNamespace(observe=lambda s, b: None), None, {}, {},
-                        threads=1, tuning=Tuning(handover_sizing=sizing))
-        res = RestoreStats()
-        res.timeline += [("handover", k, 0.0, 5e-3) for k in range(3)]
-        plan = SimpleNamespace(recompute=[], load=[])
-        r._finish(ws, plan, res, 8)
-        assert r.handover.seconds == (5e-3 if sizing else 1e-4)
-        r.pool.shutdown()

@@ -282,29 +282,6 @@ def test_layer_group_size_keeps_ref_cost_under_a_tenth_of_the_read():
     assert 5e-7 < r.s_per_byte < 1e-6
 
 
-def test_handover_cost_is_the_recent_median_never_below_the_idle_figure():
-    from scheduler.pipeline import HandoverCost, layer_group_size
-
-    h = HandoverCost(3e-4, window=3)
-    assert h.seconds == 3e-4  # nothing observed yet: the figure measured at start
-    for x in (2e-3, 5e-3, 1e-4):
-        h.observe(x)
-    assert h.seconds == 2e-3  # median of the last three
-    h.observe(-1e-4)  # two processes' clocks: a slightly negative hand-over counts as 0
-    h.observe(1e-4)
-    assert h.seconds == 3e-4  # median 1e-4 is under the floor
-    for x in (4e-3, 4e-3, 4e-3):
-        h.observe(x)
-    assert h.seconds == 4e-3  # only the last `window` count
-    # a dearer hand-over means larger groups: 6 MB at 100 MB/s (2 ms a layer): 5 layers at 1 ms, 20 at 4 ms
-    assert layer_group_size(30, 1e-3, 1e-8, 6_000_000) == 5
-    assert layer_group_size(30, h.seconds, 1e-8, 6_000_000) == 20
-    with pytest.raises(ValueError):
-        HandoverCost(-1.0)
-    with pytest.raises(ValueError):
-        HandoverCost(1e-3, window=0)
-
-
 # -- online correction of the cost models -----------------------------------------------------------
 
 
