@@ -18,9 +18,6 @@ class Tuning:
     heap_retain: bool = True
     """Each actor keeps freed heap memory for reuse (`storage.heap.retain_freed_memory`; the
     `LLMAAS_HEAP_RETAIN_MIB` variable still sets or disables it when on)."""
-    plan_keys: bool = True
-    """On Ray: a plan names resident chunks by key, which the executor maps back to the object refs it
-    holds. Off: the plan carries the handles, refs included."""
     hold_writes: bool = True
     """Writes ahead of time wait while a restore runs (`actors.swapio.KVSwapIO.hold_writes`), so
     that with calls back to back they do not take the restore's cores."""

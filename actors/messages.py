@@ -57,9 +57,8 @@ class PoolRef:
     """A resident chunk on Ray: where it is in the object store, and a small key for it. The executor
     puts the chunks of one write-back a few to an object (a list of `EncodedChunk`s,
     `actors.config.Tuning.object_chunks`: fewer object-store allocations), which lives while any of its
-    chunks is resident. The
-    governor holds the whole handle (the IO worker writes from it); a plan sent to the executor
-    carries only the key, which the executor maps back to the handle it holds."""
+    chunks is resident. The governor holds the handle (the IO worker writes from it) and sends it
+    back in plans; the executor finds its own zero-copy view of the chunk by the key."""
 
     key: int
     """Number the executor gave the chunk when it put it (unique per executor process)."""

@@ -122,7 +122,7 @@ class IOActor(KVSwapIO, Health):
 
 class GovernorActor(Health):
     """The memory governor actor: `MemoryGovernor` behind a lock (one method or one gauge publish at a
-    time), its Prometheus gauges, and the `PoolRef` keys of the plans it sends the executor."""
+    time), its Prometheus gauges, and the keys of the handles released since the executor last heard."""
 
     PUBLISH_DELAY_S = 0.05
 
@@ -138,7 +138,6 @@ class GovernorActor(Health):
         private_files()
         c = config
         self.parts = parts
-        self.plan_keys = parts.tuning.plan_keys
         reg = Registry(str(Path(c.data_dir) / "registry.db"), config=parts.registry)
         if c.profile:
             profile = CostProfile.from_json(c.profile)
@@ -205,13 +204,9 @@ class GovernorActor(Health):
 
     # the executor's calls: each answer carries the keys released since the executor last heard
     def begin_call(self, ctx: str, app: str | None, cached: bool = False) -> WithReleases:
-        """The plan, its resident chunks named by key (the executor holds their refs), or by their
-        whole handles without `Tuning.plan_keys`."""
+        """The plan, its resident chunks as their handles (`PoolRef`s of objects the executor put)."""
         with self._books() as g:
-            plan = g.begin_call(ctx, app, cached=cached)
-            if self.plan_keys:
-                plan.resident = [(i, level, h.key if isinstance(h, PoolRef) else h) for i, level, h in plan.resident]
-            return self._with_releases(plan)
+            return self._with_releases(g.begin_call(ctx, app, cached=cached))
 
     def record_restore(self, ctx: str, measured_s: float, stages: dict[str, float] | None = None) -> WithReleases:
         with self._books() as g:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from actors.config import Tuning
-from actors.messages import PoolRef, RestoreRequest
+from actors.messages import RestoreRequest
 from actors.ray_stubs import resolve_chunks
 from actors.restore import restore
 from actors.swapio import ChunkBatch, layer_groups
@@ -70,8 +70,8 @@ class RayRestorer:
                 self.io.hold_writes(False)
 
     def _restore(self, ws, plan):
-        # keys, or whole handles where the governor sends them (`Tuning.plan_keys` off)
-        resident = [(i, h.key if isinstance(h, PoolRef) else h) for i, _level, h in plan.resident]
+        # by key: the executor's own handle and zero-copy view of each (`ResidentRefs`)
+        resident = [(i, h.key) for i, _level, h in plan.resident]
         lost = [i for i, key in resident if key not in self.held]
         if lost:  # not expected (the governor reports every handle it drops): recompute rather than fail
             plan.recompute = sorted(set(plan.recompute) | set(lost))
