@@ -106,7 +106,7 @@ class FakeGovernor:
                     restored=None, request_id=None):
         self.log.append("commit_call")
         self.saved[ctx] = (list(token_ids), state)
-        return CommitReply({i: "raw" for i in range(-(-kv_tokens // CHUNK))}, len(self.log))
+        return CommitReply({i: "raw" for i in range(-(-kv_tokens // CHUNK))})
 
     def admit(self, ctx, encoded, token_starts):
         self.log.append(("admit", len(encoded)))
