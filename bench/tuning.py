@@ -27,6 +27,9 @@ from pathlib import Path
 
 from bench.markdown import publish
 
+NAME, HEADING = "tuning", "## Tuning at the edge"
+"""The page's blocks are `NAME:<mode>` (`bench.markdown.markers`) under HEADING."""
+
 SWITCHES: dict[str, tuple[dict, str]] = {
     "streaming_stores": ({"tuning": {"streaming_stores": False}}, "any"),
     "heap_retain": ({"tuning": {"heap_retain": False}}, "ray"),
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | {v['median_on']:.2f} ({' '.join(f'{x:.1f}' for x in on)}) | "
                      f"{v['median_off']:.2f} ({' '.join(f'{x:.1f}' for x in off)}) | {v['gain']:.2f} | "
                      f"{v['spread']:.2f} | {'keep' if v['keep'] else 'less than twice the spread'} |")
-    return publish("\n".join(lines), args.write, f"tuning:{mode}", "## Tuning at the edge")
+    return publish("\n".join(lines), args.write, f"{NAME}:{mode}", HEADING)
 
 
 if __name__ == "__main__":

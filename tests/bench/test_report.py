@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import accuracy, decode_overhead, engine_speed, report, restore_speed, switching
+from bench import accuracy, decode_overhead, engine_speed, report, restore_speed, switching, tuning
 from bench.markdown import markers
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "benchmarks.md"
 SWITCHING_BLOCKS = ("bound", "one process:no read throttle", "one process:50 MB/s read throttle",
                     "Ray actors:no read throttle")
+TUNING_BLOCKS = ("Ray actors", "Ray actors, back to back")
 
 
 def _writers() -> list[tuple[str, str, str]]:
@@ -28,6 +29,7 @@ def _writers() -> list[tuple[str, str, str]]:
     # bench.switching names each block by what it ran: BEGIN with "begin" turned into "begin:<tail>"
     out += [(switching.BEGIN.replace("begin", f"begin:{tail}"), switching.END.replace("end", f"end:{tail}"),
              "## Context switching") for tail in SWITCHING_BLOCKS]
+    out += [(*markers(f"{tuning.NAME}:{tail}"), tuning.HEADING) for tail in TUNING_BLOCKS]
     return out
 
 
