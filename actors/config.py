@@ -18,9 +18,6 @@ class Tuning:
     heap_retain: bool = True
     """Each actor keeps freed heap memory for reuse (`storage.heap.retain_freed_memory`; the
     `LLMAAS_HEAP_RETAIN_MIB` variable still sets or disables it when on)."""
-    hold_writes: bool = True
-    """Writes ahead of time wait while a restore runs (`actors.swapio.KVSwapIO.hold_writes`), so
-    that with calls back to back they do not take the restore's cores."""
     object_chunks: int = 16
     """On Ray: resident chunks put to one object-store object (`actors.ray_stubs.ResidentRefs`); 1: an
     object per chunk."""

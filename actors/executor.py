@@ -90,11 +90,9 @@ class InProcessRestorer:
     lz4 release the GIL too), so both cores work."""
 
     def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h,
-                 threads: int = 2, group_layers: int = GROUP_LAYERS, streaming_stores: bool = True,
-                 hold_writes: bool = True) -> None:
+                 threads: int = 2, group_layers: int = GROUP_LAYERS, streaming_stores: bool = True) -> None:
         self.model = model
         self.streaming_stores = streaming_stores
-        self.hold_writes = hold_writes
         self.threads = threads
         self.group_layers = group_layers
         self.io = io
@@ -103,17 +101,7 @@ class InProcessRestorer:
                      if threads > 1 else None)
 
     def restore(self, ws: KVCache, plan: CallPlan) -> tuple[RestoreStats, list[tuple[int, Any, int]]]:
-        """Fill `ws`; returns what was done and the chunks read whole from disk (index, enc, bytes).
-        Writes ahead of time wait meanwhile (`hold_writes`, `KVSwapIO.hold_writes`)."""
-        if self.hold_writes:
-            self.io.hold_writes(True)
-        try:
-            return self._restore(ws, plan)
-        finally:
-            if self.hold_writes:
-                self.io.hold_writes(False)
-
-    def _restore(self, ws: KVCache, plan: CallPlan) -> tuple[RestoreStats, list[tuple[int, Any, int]]]:
+        """Fill `ws`; returns what was done and the chunks read whole from disk (index, enc, bytes)."""
         from actors.swapio import layer_groups
 
         load = [i for i, _, _ in plan.load]

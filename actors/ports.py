@@ -97,11 +97,7 @@ class SwapIOPort(Protocol):
         """Write chunks (index, handle, token start); returns each record's name, bytes, checksum."""
 
     def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]) -> Any:
-        """`write` started and not waited for: something with `done()` and `result()` (a future).
-        A write ahead of time: it waits while a restore runs (`hold_writes`)."""
-
-    def hold_writes(self, on: bool) -> None:
-        """A restore begins (`on`) or ends; not waited for."""
+        """`write` started and not waited for: something with `done()` and `result()` (a future)."""
 
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
         """Read whole chunks: ({index: EncodedChunk}, {index: error code})."""

@@ -88,16 +88,11 @@ class IOActor(KVSwapIO, Health):
     Writes run in a concurrency group of their own (`GROUPS`), one at a time and in order, so that a
     restore's reads never queue behind the previous call's writes ahead of time and their fsyncs."""
 
-    GROUPS = {"write": 1, "control": 1}
+    GROUPS = {"write": 1}
 
     @ray.method(concurrency_group="write")
-    def write(self, ctx: str, todo: list, ahead: bool = False) -> list[dict]:
-        return super().write(ctx, todo, ahead)
-
-    @ray.method(concurrency_group="control")
-    def hold_writes(self, on: bool) -> None:
-        """On a thread of its own: never queued behind reads or the writes it holds back."""
-        super().hold_writes(on)
+    def write(self, ctx: str, todo: list) -> list[dict]:
+        return super().write(ctx, todo)
 
     def __init__(self, root: str, fingerprint: str, config, data_dir: str, tuning: Tuning = Tuning(), **kw) -> None:
         from actors.metrics import Metrics

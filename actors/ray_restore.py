@@ -60,16 +60,6 @@ class RayRestorer:
         return layer_group_size(n, self.per_ref_s, self.read_rate.s_per_byte, self._load_nbytes(plan)) if n else 1
 
     def restore(self, ws, plan):
-        hold = self.tuning.hold_writes and bool(plan.load or plan.recompute or plan.resident)
-        if hold:
-            self.io.hold_writes(True)
-        try:
-            return self._restore(ws, plan)
-        finally:
-            if hold:
-                self.io.hold_writes(False)
-
-    def _restore(self, ws, plan):
         # by key: the executor's own handle and zero-copy view of each (`ResidentRefs`)
         resident = [(i, h.key) for i, _level, h in plan.resident]
         lost = [i for i, key in resident if key not in self.held]

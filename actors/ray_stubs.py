@@ -235,11 +235,7 @@ class SwapIOStub:
     def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]):
         """The write's object ref as a future (a restart in between fails it: the governor logs it,
         and the chunks are written on demand if evicted)."""
-        return self.handle.write.remote(ctx, todo, True).future()
-
-    def hold_writes(self, on: bool) -> None:
-        """Sent without waiting (the IO worker's `control` group takes it at once)."""
-        self.handle.hold_writes.remote(on)
+        return self.handle.write.remote(ctx, todo).future()
 
     def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
         return retry.call(self.handle.read, ctx, indices)

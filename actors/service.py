@@ -228,7 +228,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
         profile = _local_profile(config, engine, fingerprint)
     governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)
     t = parts.tuning
-    restorer = InProcessRestorer(engine.model, io, streaming_stores=t.streaming_stores, hold_writes=t.hold_writes)
+    restorer = InProcessRestorer(engine.model, io, streaming_stores=t.streaming_stores)
     executor = ModelExecutor(engine, governor, restorer)
 
     def close() -> None:

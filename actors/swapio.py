@@ -11,7 +11,6 @@ It knows nothing about policies or the model: it moves bytes and reports timings
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -81,11 +80,6 @@ def _sort(results, got: dict[int, EncodedChunk], failed: dict[int, str]) -> None
             got[i] = enc
 
 
-HOLD_MAX_S = 0.5
-"""Longest a write ahead of time waits for a restore to end (`KVSwapIO.hold_writes`): a restore's end
-that never arrives (its executor died) holds writes back no longer."""
-
-
 def layer_groups(n_layers: int, group_layers: int) -> list[range]:
     return [range(a, min(n_layers, a + group_layers)) for a in range(0, n_layers, group_layers)]
 
@@ -107,31 +101,17 @@ class KVSwapIO:
         """Called after each write (`out`) and read (`in`) with the bytes and seconds (metrics)."""
         self._writer: ThreadPoolExecutor | None = None
         """The thread of `write_async` (made on first use), beside the caller's reads."""
-        self._no_restore = threading.Event()
-        self._no_restore.set()
-
-    def hold_writes(self, on: bool) -> None:
-        """A restore begins (`on`) or ends: while one runs, writes ahead of time wait before they
-        start (at most `HOLD_MAX_S`), so that they do not take the restore's cores; writes on demand
-        go on (`actors.config.Tuning.hold_writes`)."""
-        if on:
-            self._no_restore.clear()
-        else:
-            self._no_restore.set()
 
     def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]) -> Future:
         """`write` on a thread of its own, in the order started: the future of its result. Reads go
         on meanwhile (the chunk store serialises what must be)."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="chunk-writer")
-        return self._writer.submit(self.write, ctx, todo, True)
+        return self._writer.submit(self.write, ctx, todo)
 
-    def write(self, ctx: str, todo: list[tuple[int, Any, int]], ahead: bool = False) -> list[dict]:
+    def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
         """Write chunks (index, handle, first token) crash-safely, one pack per run of consecutive
-        indices (`ChunkStore.write_many`); returns name/nbytes/checksum each, in order. `ahead`: a
-        write ahead of time, which waits while a restore runs (`hold_writes`)."""
-        if ahead:
-            self._no_restore.wait(HOLD_MAX_S)
+        indices (`ChunkStore.write_many`); returns name/nbytes/checksum each, in order."""
         t0 = time.monotonic()
         encs = self.resolve([h for _i, h, _t in todo])
         metas = self.store.write_many(ctx, [(i, enc, t) for (i, _h, t), enc in zip(todo, encs)])

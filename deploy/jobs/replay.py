@@ -64,7 +64,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     r.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, metavar="N",
                    help=f"tokens per K/V chunk, a power of two from {lo} to {hi} (LLMS §5.4; default %(default)s)")
     r.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
-                   help="a switch of actors.config.Tuning for the services, e.g. hold_writes=false (repeatable)")
+                   help="a switch of actors.config.Tuning for the services, e.g. streaming_stores=false (repeatable)")
     r.add_argument("--ray", action="store_true", help="the service's Ray actors instead of one process")
     r.add_argument("--address", default=None,
                    help="with --ray: the cluster to attach to (default: $RAY_ADDRESS, as under ray job "

@@ -63,20 +63,3 @@ def test_read_groups_yield_each_groups_layers_of_every_chunk_in_turn(tmp_path):
             ((_, want),) = io.store.read_layers(KEY, [i], g.layers)
             assert enc.first_layer == g.layers.start and np.array_equal(enc.payload, want.payload)
     assert sum(g.nbytes for g in got) == io.bytes_read
-
-
-def test_writes_ahead_of_time_wait_while_a_restore_runs_and_writes_on_demand_do_not(tmp_path, monkeypatch):
-    import actors.swapio as swapio
-
-    monkeypatch.setattr(swapio, "HOLD_MAX_S", 120.0)  # only the restore's end releases it here
-    io = KVSwapIO(str(tmp_path), "fp-test")
-    encs = {i: codecs.encode(synthetic_kv(seed=i), "q8") for i in range(4)}
-    io.hold_writes(True)  # a restore begins
-    ahead = io.write_async(KEY, [(i, encs[i], 16 * i) for i in (0, 1)])
-    now = io.write(KEY, [(2, encs[2], 32)])  # on demand: goes on
-    assert len(now) == 1 and not ahead.done()
-    assert sorted(io.read(KEY, [0, 1, 2])[0]) == [2]  # the held write has not started
-    io.hold_writes(False)  # the restore ends
-    assert len(ahead.result(timeout=120)) == 2
-    got, failed = io.read(KEY, [0, 1, 2])
-    assert sorted(got) == [0, 1, 2] and not failed
