@@ -15,9 +15,6 @@ class Tuning:
 
     streaming_stores: bool = True
     """De-quantize a restore of `actors.restore.STREAM_MIN_BYTES` or more with non-temporal stores."""
-    heap_retain: bool = True
-    """Each actor keeps freed heap memory for reuse (`storage.heap.retain_freed_memory`; the
-    `LLMAAS_HEAP_RETAIN_MIB` variable still sets or disables it when on)."""
     object_chunks: int = 16
     """On Ray: resident chunks put to one object-store object (`actors.ray_stubs.ResidentRefs`); 1: an
     object per chunk."""
@@ -88,14 +85,6 @@ def tuning_from(options: dict) -> Tuning:
         else:
             out[name] = int(v)
     return Tuning(**out)
-
-
-def heap_at_start(tuning: Tuning) -> None:
-    """First in an actor's start: keep freed heap memory for reuse (`Tuning.heap_retain`)."""
-    if tuning.heap_retain:
-        from storage.heap import retain_freed_memory
-
-        retain_freed_memory()
 
 
 def prepare_data_dir(path: str | os.PathLike) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import ray
 
-from actors.config import ServiceConfig, Tuning, heap_at_start, private_files
+from actors.config import ServiceConfig, Tuning, private_files
 from actors.service import Components
 from actors.messages import PoolRef, WithReleases
 from actors.ray_restore import RayRestorer, per_ref_seconds
@@ -97,7 +97,6 @@ class IOActor(KVSwapIO, Health):
     def __init__(self, root: str, fingerprint: str, config, data_dir: str, tuning: Tuning = Tuning(), **kw) -> None:
         from actors.metrics import Metrics
 
-        heap_at_start(tuning)  # fresh read buffers and payloads: keep freed memory, no page faults
         private_files()
 
         super().__init__(root, fingerprint, config, **kw)
@@ -129,7 +128,6 @@ class GovernorActor(Health):
         from scheduler.pipeline import CostProfile
         from storage.registry import Registry
 
-        heap_at_start(parts.tuning)
         private_files()
         c = config
         self.parts = parts
@@ -317,7 +315,6 @@ class ExecutorActor(Health):
         from engine.model import Transformer
 
         torch.set_num_threads(max(1, threads))
-        heap_at_start(parts.tuning)  # write-back encodes into fresh payloads: keep freed memory, no page faults
         private_files()
         c, ecfg = config, parts.engine
         model = Transformer.from_directory(model_dir, ecfg, fingerprint=fingerprint)

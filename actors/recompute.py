@@ -20,7 +20,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from actors.config import Tuning, heap_at_start, private_files
+from actors.config import Tuning, private_files
 from actors.messages import RestoreRequest, RestoreStats
 from actors.restore import restore
 from engine.config import ModelConfig
@@ -76,7 +76,6 @@ class RecomputeWorker:
         from engine.model import Transformer
 
         torch.set_num_threads(max(1, threads))
-        heap_at_start(tuning)
         private_files()
         self.streaming_stores = tuning.streaming_stores
         self.model = Transformer.from_directory(model_dir, engine_cfg, fingerprint=fingerprint)

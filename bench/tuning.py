@@ -10,7 +10,7 @@ median of the per-round means of each version, the gain (off less on), and the r
 spread: the larger of the two versions' median absolute deviations of their per-round means. A
 switch is worth keeping where the gain is more than twice that spread.
 
-    python -m bench.tuning streaming_stores heap_retain [--rounds 6] [--ray] [--write docs/benchmarks.md]
+    python -m bench.tuning streaming_stores object_chunks [--rounds 6] [--ray] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ NAME, HEADING = "tuning", "## Tuning at the edge"
 
 SWITCHES: dict[str, tuple[dict, str]] = {
     "streaming_stores": ({"tuning": {"streaming_stores": False}}, "any"),
-    "heap_retain": ({"tuning": {"heap_retain": False}}, "ray"),
     "object_chunks": ({"tuning": {"object_chunks": 1}}, "ray"),
 }
 """Switch name -> (the `ServiceConfig` options that turn it off, where it acts: "ray" or "any")."""

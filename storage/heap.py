@@ -11,9 +11,10 @@ again (chunk payloads, codec outputs, file read buffers) faults them in every ti
 retention").
 
 The price is resident memory: up to `trim_mib` of freed memory at the heap's top stays with the process
-(freed blocks inside the heap are reused either way). The service's actor processes call
-`retain_freed_memory()` at start; `LLMAAS_HEAP_RETAIN_MIB=0` turns it off, another value sets the
-retained amount. Plain Python, no torch; a no-op where `mallopt` does not exist (musl, macOS).
+(freed blocks inside the heap are reused either way). The service's actors do not call it: their
+switches bought nothing measurable with it (docs/benchmarks.md, "Tuning at the edge"); it stays for
+`bench.storage_speed`, which measures the storage layer with and without it.
+`LLMAAS_HEAP_RETAIN_MIB=0` turns it off, another value sets the retained amount. Plain Python, no torch; a no-op where `mallopt` does not exist (musl, macOS).
 """
 
 from __future__ import annotations

@@ -15,19 +15,19 @@ from actors.config import ServiceConfig, Tuning, tuning_from
 def test_tuning_defaults_to_everything_on():
     t = ServiceConfig().tuning
     assert t == Tuning()
-    assert t.streaming_stores and t.heap_retain
+    assert t.streaming_stores
     assert t.object_chunks == 16
 
 
 def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():
-    t = tuning_from({"streaming_stores": "false", "heap_retain": "0", "object_chunks": "4"})
-    assert t == Tuning(streaming_stores=False, heap_retain=False, object_chunks=4)
-    assert ServiceConfig(tuning={"heap_retain": "off"}).tuning == Tuning(heap_retain=False)
+    t = tuning_from({"streaming_stores": "0", "object_chunks": "4"})
+    assert t == Tuning(streaming_stores=False, object_chunks=4)
+    assert ServiceConfig(tuning={"streaming_stores": "off"}).tuning == Tuning(streaming_stores=False)
 
 
 @pytest.mark.parametrize("options, message", [
     ({"streaming_store": False}, "unknown tuning options ['streaming_store']"),
-    ({"heap_retain": "maybe"}, "heap_retain takes true or false"),
+    ({"streaming_stores": "maybe"}, "streaming_stores takes true or false"),
     ({"object_chunks": 0}, "object_chunks must be >= 1"),
 ])
 def test_bad_tuning_options_are_refused_with_their_name(options, message):
@@ -43,11 +43,11 @@ def test_serve_options_take_tuning_keys_and_a_config_files_mapping(tmp_path):
                                     "tuning.object_chunks": "2"})
     assert ServiceConfig(**service).tuning == Tuning(streaming_stores=False, object_chunks=2)
     path = tmp_path / "options.json"
-    path.write_text(json.dumps({"tuning": {"heap_retain": False}}))
+    path.write_text(json.dumps({"tuning": {"streaming_stores": False}}))
     opts = load_config_file(str(path))
-    assert ServiceConfig(**opts).tuning == Tuning(heap_retain=False)
+    assert ServiceConfig(**opts).tuning == Tuning(streaming_stores=False)
     service, _server = app_options({"data_dir": str(tmp_path), **opts})
-    assert ServiceConfig(**service).tuning == Tuning(heap_retain=False)
+    assert ServiceConfig(**service).tuning == Tuning(streaming_stores=False)
     with pytest.raises(ValueError, match="unknown tuning options"):
         app_options({"data_dir": str(tmp_path), "tuning.nope": "1"})
     with pytest.raises(ValueError, match="tuning takes a mapping"):

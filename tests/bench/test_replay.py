@@ -99,10 +99,10 @@ def test_think_time_sends_each_call_after_the_previous_reply_without_waiting_for
 def test_replay_tuning_switches_are_checked_before_anything_runs():
     from deploy.jobs.replay import main
 
-    assert ReplayConfig(tuning=(("heap_retain", "false"),)).tuning == (("heap_retain", "false"),)
+    assert ReplayConfig(tuning=(("streaming_stores", "false"),)).tuning == (("streaming_stores", "false"),)
     with pytest.raises(ValueError, match="unknown tuning options"):
-        ReplayConfig(tuning=(("heapretain", "false"),))
-    for bad in ("heap_retain", "heap_retain=maybe"):
+        ReplayConfig(tuning=(("streamingstores", "false"),))
+    for bad in ("streaming_stores", "streaming_stores=maybe"):
         with pytest.raises(SystemExit):
             main(["--tuning", bad, "--out", "unused"])
 
