@@ -31,7 +31,7 @@ import torch
 
 from actors.messages import CallOutcome, CallPlan, RestoreRequest, RestoreStats
 from actors.recompute import stage_seconds
-from actors.restore import restore
+from actors.restore import host_view, restore
 from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, LiveContext
 from engine.density import DensityTracker
@@ -105,7 +105,7 @@ class InProcessRestorer:
         from actors.swapio import layer_groups
 
         load = [i for i, _, _ in plan.load]
-        pipelined = bool(plan.recompute and load) and ws.device.type == "cpu"
+        pipelined = bool(plan.recompute and load) and host_view(ws) is not None
         groups = layer_groups(self.model.cfg.n_layers, self.group_layers if pipelined else self.model.cfg.n_layers)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
                              load, list(plan.recompute), groups)

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
+import torch
 
 from actors.messages import RestoreRequest, RestoreStats
 from engine.kvcache import KVCache
@@ -37,11 +38,18 @@ non-temporal stores (`codecs.decode(..., stream=True)`): below it the caches sti
 stores (the measured crossover is in docs/benchmarks.md, "Tuning at the edge")."""
 
 
+def host_view(ws: KVCache) -> np.ndarray | None:
+    """The working set as a numpy array when it can be written in place (float32 or float16 on the
+    CPU), else None: a device's, or bfloat16, which numpy has no type for; those take whole chunks
+    decoded on the host (`KVCache.put_chunk`)."""
+    return ws.kv.numpy() if ws.device.type == "cpu" and ws.kv.dtype != torch.bfloat16 else None
+
+
 def use_streaming_stores(ws: KVCache, n_chunks: int, enabled: bool = True) -> bool:
     """Whether de-quantizing `n_chunks` chunks into `ws` is large enough for non-temporal stores
     (`enabled`: `actors.config.Tuning.streaming_stores`)."""
     per_chunk = ws.nbytes() // ws.capacity * ws.chunk_tokens
-    return enabled and ws.device.type == "cpu" and n_chunks * per_chunk >= STREAM_MIN_BYTES
+    return enabled and host_view(ws) is not None and n_chunks * per_chunk >= STREAM_MIN_BYTES
 
 
 def decode_timed(ws: KVCache, kv: np.ndarray | None, i: int, layers: range, enc: codecs.EncodedChunk,
@@ -78,7 +86,7 @@ class _Decodes:
 
     def __init__(self, ws: KVCache, events: list, pool: ThreadPoolExecutor | None, stream: bool) -> None:
         self.ws, self.events, self.pool, self.stream = ws, events, pool, stream
-        self.kv = ws.kv.numpy() if ws.device.type == "cpu" else None
+        self.kv = host_view(ws)
         if self.kv is None:
             self.pool = None
         self.jobs: list[Future] = []
