@@ -170,8 +170,10 @@ class ModelExecutor:
         """Handles for encoded chunks, one per chunk, in order (on Ray: object refs, put in one go)."""
         self.chunk = engine.cfg.chunk_tokens
         self.ws = working_set or self.model.new_cache(engine.limit)
-        self._last: tuple[str, str | None, LiveContext] | None = None
-        """(context, app, engine context) of the last call, while the working set holds it."""
+        self._last: tuple[str, str | None, LiveContext, str] | None = None
+        """(context, app, engine context, state JSON committed) of the last call, while the working set
+        holds it: a call the working set answers gets no state with its plan, and checks its request
+        id against this one (`_committed_outcome`)."""
         self.level_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[
             self.model.dtype
         ]
@@ -184,9 +186,6 @@ class ModelExecutor:
         self._pending_views = False  # that write-back reads views of its chunks taken at the commit
         self.overlap_admit = overlap_admit and background
         self._lock = threading.Lock()
-        self._last_commit: tuple[str, str] | None = None
-        """(context, state JSON) of this executor's last commit: a call the working set answers gets
-        no state with its plan, and checks its request id against this (`_committed_outcome`)."""
 
     @property
     def ws_ctx(self) -> str | None:
@@ -312,11 +311,12 @@ class ModelExecutor:
                 if step.confirm is not None:
                     step.confirm()  # the deferred begin_call's errors surface here, before anything is committed
                     step.confirm = None
-                todo = self._commit(step.plan, ectx, first_modified, list(step.plan.recompute), request_id, r)
+                todo, state_json = self._commit(step.plan, ectx, first_modified, list(step.plan.recompute),
+                                                request_id, r)
             except BaseException:
                 self._abort(step)
                 raise
-            self._last = (ctx_id, app, ectx)
+            self._last = (ctx_id, app, ectx, state_json)
             # read whole and unchanged by the call: resident as read, not encoded again
             loaded = [c for c in step.loaded if c[0] < first_modified and c[0] not in todo]
             self._schedule_write_back(ctx_id, todo, loaded)
@@ -362,8 +362,8 @@ class ModelExecutor:
         """The outcome of the call `request_id` names when the context's last commit was that call."""
         if request_id is None:
             return None
-        last = self._last_commit
-        state_json = step.plan.state if step.ectx is None else (last[1] if last and last[0] == step.plan.ctx else None)
+        # a call the working set answers (`ectx`): the state its last call committed (`_held`)
+        state_json = step.plan.state if step.ectx is None else self._last[3]
         if not state_json or json.dumps(request_id) not in state_json:  # the usual case, without parsing
             return None
         state = json.loads(state_json)
@@ -472,8 +472,9 @@ class ModelExecutor:
         )
 
     def _commit(self, plan: CallPlan, ectx: LiveContext, first_modified: int, restored: list[int],
-                request_id: str | None, r) -> dict[int, str]:
-        """Make the turn durable at the governor (once per `request_id`); returns the chunks to encode."""
+                request_id: str | None, r) -> tuple[dict[int, str], str]:
+        """Make the turn durable at the governor (once per `request_id`); returns the chunks to encode
+        and the state JSON saved."""
         state = {
             "system_prompt": ectx.system_prompt,
             "turns": [{"role": t.role, "text": t.text} for t in ectx.conv.turns],
@@ -490,8 +491,7 @@ class ModelExecutor:
                                      request_id=request_id)
         if reply.repeated:  # not expected (`_committed_outcome` answered such a call before it ran)
             raise RuntimeError(f"call {request_id} on {plan.ctx} was committed twice")
-        self._last_commit = (plan.ctx, state_json)
-        return reply.todo
+        return reply.todo, state_json
 
     def _write_back(self, ctx: str, todo: dict[int, str], done_reading: threading.Event | None = None,
                     loaded: list | None = None, arrays: dict | None = None) -> None:
