@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from engine.quant import WeightFormat
+
 
 @dataclass(slots=True)
 class Tuning:
@@ -50,6 +52,10 @@ class ServiceConfig:
     A call on the context the working set holds does not wait even for the encoding (it only appends
     past the slots encoded), and asks for the context's lock (which that `admit` releases) once the
     write-back is done, before its commit. False: a call waits for the whole write-back."""
+    weights: str = "fp32"
+    """Weight format the model runs in (engine.quant.WeightFormat: `fp32`, `bf16`, `int8`, `int4`,
+    `int4-g128`, ...); converted once into the model cache. Part of every chunk's `KVKey`: K/V made
+    under one format is never restored under another."""
     tuning: Tuning = field(default_factory=Tuning)
     """Speed-only optimisations, each switchable (`Tuning`)."""
     profile: str = ""
@@ -59,6 +65,7 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tuning, dict):  # from a config file or a Serve application's arguments
             self.tuning = tuning_from(self.tuning)
+        self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
 
 
 def tuning_from(options: dict) -> Tuning:

@@ -312,7 +312,7 @@ class ModelExecutor:
                     step.confirm()  # the deferred begin_call's errors surface here, before anything is committed
                     step.confirm = None
                 todo, state_json = self._commit(step.plan, ectx, first_modified, list(step.plan.recompute),
-                                                request_id, r)
+                                                request_id, r, unreadable=sorted(stats.failed))
             except BaseException:
                 self._abort(step)
                 raise
@@ -472,7 +472,7 @@ class ModelExecutor:
         )
 
     def _commit(self, plan: CallPlan, ectx: LiveContext, first_modified: int, restored: list[int],
-                request_id: str | None, r) -> tuple[dict[int, str], str]:
+                request_id: str | None, r, unreadable: list[int] = ()) -> tuple[dict[int, str], str]:
         """Make the turn durable at the governor (once per `request_id`); returns the chunks to encode
         and the state JSON saved."""
         state = {
@@ -488,7 +488,7 @@ class ModelExecutor:
         state_json, density = json.dumps(state), density_blob(ectx.density)
         reply = self.gov.commit_call(plan.ctx, ectx.token_ids, text, state_json, density, ectx.cache.length,
                                      ectx.density.chunk_density(self.chunk), first_modified, restored,
-                                     request_id=request_id)
+                                     request_id=request_id, unreadable=list(unreadable))
         if reply.repeated:  # not expected (`_committed_outcome` answered such a call before it ran)
             raise RuntimeError(f"call {request_id} on {plan.ctx} was committed twice")
         return reply.todo, state_json

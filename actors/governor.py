@@ -347,13 +347,17 @@ class MemoryGovernor:
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
-                    request_id: str | None = None) -> CommitReply:
+                    request_id: str | None = None, unreadable: list[int] | None = None) -> CommitReply:
         """Make the call's new token ids durable (before the reply completes) and plan compression.
 
         `first_modified` is the first chunk whose K/V the call changed (the old partial chunk, or 0
         after an overflow). The reply lists {chunk index: level} for every chunk the executor must
         encode now (the modified ones, those whose planned level dropped, and recomputed ones,
         `restored`).
+
+        `unreadable`: chunks whose file the restore could not use (missing, corrupt, written under
+        another `KVKey`, e.g. another weight format) and recomputed: their files are void like those
+        of changed chunks, so they are encoded and written again under this service's key.
 
         `request_id` makes the commit idempotent: when the context's last commit carried the same id
         (a call retried after its executor stopped between the commit and the reply), nothing is
@@ -366,7 +370,8 @@ class MemoryGovernor:
         self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, density)
         book.request_id = request_id
         n_chunks = -(-kv_tokens // self.cfg.chunk_tokens)
-        stale = [i for i in book.chunks if i >= first_modified or i >= n_chunks]
+        void_files = set(unreadable or ())
+        stale = [i for i in book.chunks if i >= first_modified or i >= n_chunks or i in void_files]
         self._settle(ctx, stale)
         void = []
         for i in stale:  # their content changed: old resident copies and files are void

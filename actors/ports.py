@@ -67,7 +67,7 @@ class GovernorPort(Protocol):
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
-                    request_id: str | None = None) -> CommitReply:
+                    request_id: str | None = None, unreadable: list[int] | None = None) -> CommitReply:
         """Make the call's turn durable (once per request id) and plan the chunks to encode."""
 
     def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:

@@ -200,9 +200,9 @@ class GovernorStub:
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
-                    request_id: str | None = None) -> CommitReply:
+                    request_id: str | None = None, unreadable: list[int] | None = None) -> CommitReply:
         return self._unwrap(retry.call(self.handle.commit_call, ctx, token_ids, text, state, density, kv_tokens,
-                                       chunk_density, first_modified, restored, request_id))
+                                       chunk_density, first_modified, restored, request_id, unreadable))
 
     def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
         self._unwrap(retry.call(self.handle.admit, ctx, encoded, token_starts))

@@ -64,7 +64,7 @@ def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: st
 
     return Components(
         engine=EngineConfig(max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
-                            device=device),
+                            device=device, weights=config.weights),
         registry=RegistryConfig(max_contexts_per_app=config.max_contexts_per_app, chunk_tokens=config.chunk_tokens),
         store=ChunkStoreConfig(disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
                                read_burst_bytes=config.read_burst_bytes),
@@ -73,10 +73,6 @@ def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: st
                                 raw_chunk_bytes=raw_chunk_bytes),
         tuning=config.tuning,
     )
-
-
-WEIGHT_FORMAT = "fp32"
-"""The engine's weight format: the checkpoint de-quantized to float (part of every chunk's `KVKey`)."""
 
 
 def dtype_name(torch_dtype) -> str:
@@ -213,17 +209,20 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     prepare_data_dir(root)
     if engine is None:
         engine = ContextEngine.load(None, EngineConfig(max_context_tokens=config.max_context_tokens,
-                                                       chunk_tokens=config.chunk_tokens))
+                                                       chunk_tokens=config.chunk_tokens, weights=config.weights))
     elif engine.model.engine_cfg.chunk_tokens != config.chunk_tokens:
         raise ValueError(f"the engine passed cuts {engine.model.engine_cfg.chunk_tokens}-token chunks but the "
                          f"service is configured for {config.chunk_tokens}; load a model with that chunk size")
+    elif engine.model.weight_format != config.weights:
+        raise ValueError(f"the engine passed runs {engine.model.weight_format} weights but the service is "
+                         f"configured for {config.weights}; load the model in that format")
     parts = components(config, engine.model.cfg, dtype_name(engine.model.dtype))
     fingerprint = engine.fingerprint or "unknown-model"
     if engine.cfg.max_context_tokens != config.max_context_tokens:
         engine = ContextEngine(engine.model, engine.tok, parts.engine)
         engine.fingerprint = fingerprint
     registry = Registry(str(root / "registry.db"), config=parts.registry)
-    io = KVSwapIO(str(root / "chunks"), KVKey(fingerprint, WEIGHT_FORMAT).record_tag(), parts.store)
+    io = KVSwapIO(str(root / "chunks"), KVKey(fingerprint, engine.model.weight_format).record_tag(), parts.store)
     if profile is None:
         profile = _local_profile(config, engine, fingerprint)
     governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)

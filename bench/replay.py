@@ -98,11 +98,16 @@ class ReplayConfig:
     """Tokens per K/V chunk of the services (a power of two, 4..64; LLMS §5.4)."""
     tuning: tuple[tuple[str, str], ...] = ()
     """Switches of `actors.config.Tuning` the services get, as (name, value); none: the defaults."""
+    weights: str = "fp32"
+    """Weight format of the model (engine.quant.WeightFormat); the engine passed must run it."""
 
     def __post_init__(self) -> None:
         from actors.config import tuning_from
 
         tuning_from(dict(self.tuning))  # unknown names and bad values fail here
+        from engine.quant import WeightFormat
+
+        self.weights = WeightFormat.parse(self.weights).tag
         if not self.policies:
             raise ValueError("at least one policy is needed")
         if self.kv_budget_bytes < 0 or self.throttle_mbps < 0 or self.max_gap_s < 0 or self.calls < 0:
@@ -293,12 +298,12 @@ def open_replay_service(policy: str, engine, budget: int, config: ReplayConfig, 
     if config.chunk_tokens == DEFAULT_CHUNK_TOKENS and engine.model.engine_cfg.chunk_tokens == DEFAULT_CHUNK_TOKENS:
         return open_service(policy, engine, budget, throttle, config.use_ray, data_dir,
                             max_context_tokens=config.max_context_tokens, prefix=prefix,
-                            options={"tuning": dict(config.tuning)})
+                            options={"tuning": dict(config.tuning), "weights": config.weights})
     from actors.service import ServiceConfig, wire_local
 
     cfg = ServiceConfig(data_dir=data_dir, policy=policy, pool_bytes=budget, read_bytes_per_s=throttle,
                         max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
-                        tuning=dict(config.tuning))
+                        tuning=dict(config.tuning), weights=config.weights)
     if config.use_ray:
         from actors.ray_service import wire_ray
 

@@ -20,7 +20,8 @@ def _engine(args):
     from engine.config import EngineConfig
     from engine.context import ContextEngine
 
-    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_context_tokens=args.max_context)
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_context_tokens=args.max_context,
+                       weights=args.weights)
     t0 = time.perf_counter()
     engine = ContextEngine.load(args.model, cfg)
     if args.verbose:
@@ -219,6 +220,11 @@ def cmd_bench(args) -> int:
     return report_main(args.args, prog="llmaas bench report")
 
 
+WEIGHTS_HELP = ("weight format: fp32 (default: the checkpoint as converted), bf16, int8 (per-row), int4 "
+                "(group 32, int8 LM head; a Q4_0/Q4_1 GGUF is repacked as it is), int4-g128 (other group "
+                "sizes), ...-hfp32 (float LM head); converted once into the model cache")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
                    help="GGUF file or Hugging Face checkpoint directory (Llama, Qwen2); default: the embedded "
@@ -226,6 +232,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="torch device: auto (cuda if present, else cpu), cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--weights", default="fp32", metavar="FORMAT", help=WEIGHTS_HELP)
     p.add_argument("--max-context", type=int, default=0, metavar="TOKENS",
                    help="context length before overflow handling (default: the model's maximum)")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens per reply (default 256)")
@@ -279,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool budget in bytes of resident chunks as stored (default 256 MiB)")
     s.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
                    help="GGUF file or checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--weights", default=None, metavar="FORMAT", help=WEIGHTS_HELP)
     s.add_argument("--dashboard-port", type=int, default=8265, help="Ray dashboard / Jobs API port (default 8265)")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     s.add_argument("-v", "--verbose", action="store_true", help="Ray and actor logs on the console")

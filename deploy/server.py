@@ -52,7 +52,12 @@ def options_from_args(args) -> dict:
         opts["pool_bytes"] = args.kv_budget
     if args.model:
         opts["model"] = args.model
+    if getattr(args, "weights", None):
+        opts["weights"] = args.weights
+    from engine.quant import WeightFormat
     from scheduler.policies import get_policy
+
+    WeightFormat.parse(str(opts.get("weights", "fp32")))  # a bad format fails here, listing the valid ones
 
     get_policy(opts.get("policy", "llms"))  # unknown names fail here, listing the valid ones
     if int(opts.get("pool_bytes", 1)) <= 0:
@@ -78,8 +83,13 @@ def serve_forever(args) -> int:
 
     from engine.loader import resolve_model
 
+    from engine.weightcache import engine_arrays
+    from engine.quant import WeightFormat
+
     print("llmaas: model: preparing (converted once, then cached)", file=sys.stderr)
-    resolve_model(opts.get("model") or None, progress=True)
+    resolved = resolve_model(opts.get("model") or None, progress=True)
+    engine_arrays(resolved.directory, resolved.fingerprint, WeightFormat.parse(str(opts.get("weights", "fp32"))),
+                  progress=True)
 
     import ray
     from ray import serve

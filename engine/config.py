@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.quant import WeightFormat
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
@@ -129,6 +131,9 @@ class EngineConfig:
     """Query rows per attention block in prefill; 0 sizes blocks to keep scores near 4.5 MiB."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
+    weights: str = "fp32"
+    """Weight format (engine.quant.WeightFormat.tag): `fp32` (the checkpoint as converted), `bf16`,
+    `int8`, `int4` (group 32, int8 LM head), `int4-g128`, ...; converted once into the model cache."""
     native_attention: bool = True
     """Prefill attention (with density) in the compiled kernel of `engine/attention.c` on CPU float32
     when it builds here; False keeps the torch blockwise kernel (the reference in tests)."""
@@ -140,6 +145,7 @@ class EngineConfig:
             raise ValueError("overflow_keep_fraction must be in (0, 1)")
         if self.max_context_tokens < 0:
             raise ValueError("max_context_tokens must be >= 0")
+        self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
 
 
 def resolve_device_dtype(cfg: EngineConfig):

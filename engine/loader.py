@@ -165,7 +165,8 @@ def _convert_gguf(src: Path, target: Path, *, progress: bool) -> None:
     print(f"llmaas: conversion done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32}
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32,
+               "U8": np.uint8, "I8": np.int8}
 
 
 def read_safetensors(directory: Path, only: str | None = None) -> dict[str, np.ndarray]:
@@ -245,10 +246,15 @@ def fused_weights(directory: Path, fingerprint: str, fuse) -> dict[str, np.ndarr
                 save_file(arrays, str(tmp), metadata=meta)
                 with open(tmp, "rb") as fh:
                     os.fsync(fh.fileno())
-                os.rename(tmp, target)
-                dfd = os.open(target.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                publish(tmp, target)
     return read_safetensors(target.parent, only=target.name)
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Rename a written (and fsynced) temporary file into place and make the rename durable."""
+    os.rename(tmp, target)
+    dfd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

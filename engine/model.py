@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from engine import native
 from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
+from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
+from engine.quant import WeightFormat
 
 SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-row blocks at 2048 tokens. 64-row
 # blocks beat 32- and 48-row ones at 2048 tokens, and under load from other processes fewer, larger blocks
@@ -95,21 +97,19 @@ def attention_kernel():
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
-    bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D] (Qwen2) or None
-    wo: torch.Tensor  # [hidden, Hq D]
-    bo: torch.Tensor | None  # [hidden] or None
+    wqkv: Linear  # [(Hq + 2 Hkv) D, hidden], with Qwen2's bias
+    wo: Linear  # [hidden, Hq D]
     mlp_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [2 I, hidden]
-    w_down: torch.Tensor  # [hidden, I]
+    w_gate_up: Linear  # [2 I, hidden]
+    w_down: Linear  # [hidden, I]
 
 
 @dataclass(slots=True)
 class Weights:
-    embed: torch.Tensor  # [V, hidden]
+    embed: Embedding  # token rows, [V, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [V, hidden]; the same tensor as `embed` when tied
+    lm_head: Linear  # [V, hidden]; over the embedding table itself when tied (float formats)
 
 
 @dataclass(slots=True)
@@ -123,63 +123,65 @@ class RecomputeJob:
     next_layer: int = 0
 
 
-def fuse_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Hugging Face parameter names -> the engine's fused layout (q/k/v and gate/up concatenated)."""
+def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
+                 fmt: WeightFormat | None = None) -> Weights:
+    """Build engine weights from engine-layout arrays (float ones from `fuse_hf`, or a weight format's
+    from engine.weightcache). On the CPU nothing already in its compute type is copied: the tensors
+    view the arrays (a read-only mmap shares its pages with every process on the node). bf16 weights
+    stay bf16 under a float32 compute dtype; the embedding table stays in its stored type."""
+    fmt = fmt or WeightFormat()
 
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise KeyError(f"checkpoint lacks tensor {name!r}")
-        return tensors[name]
-
-    out: dict[str, np.ndarray] = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
-    if not cfg.tie_embeddings and "lm_head.weight" in tensors:
-        out["lm_head"] = tensors["lm_head.weight"]
-    for i in range(cfg.n_layers):
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        out[o + "attn_norm"] = get(p + "input_layernorm.weight")
-        out[o + "wqkv"] = np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        if all(p + f"self_attn.{n}_proj.bias" in tensors for n in "qkv"):
-            out[o + "bqkv"] = np.concatenate([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-        out[o + "wo"] = get(p + "self_attn.o_proj.weight")
-        if p + "self_attn.o_proj.bias" in tensors:
-            out[o + "bo"] = tensors[p + "self_attn.o_proj.bias"]
-        out[o + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
-        out[o + "w_gate_up"] = np.concatenate((get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")))
-        out[o + "w_down"] = get(p + "mlp.down_proj.weight")
-    return out
-
-
-def load_weights(fused: dict[str, np.ndarray], cfg: ModelConfig, device, dtype) -> Weights:
-    """Build engine weights from fused arrays. On the CPU in the arrays' own dtype nothing is copied:
-    the tensors view the arrays (a read-only mmap shares its pages with every process on the node)."""
-
-    def get(name: str) -> torch.Tensor | None:
-        a = fused.get(name)
+    def stored(name: str) -> torch.Tensor | None:
+        a = arrays.get(name)
         if a is None:
             return None
         with warnings.catch_warnings():  # read-only mmap: torch warns, we never write to it
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(a)
-        if a.dtype == np.uint16:
-            t = t.view(torch.bfloat16)
-        return t.to(device=device, dtype=dtype)
+        return t.view(torch.bfloat16) if a.dtype == np.uint16 else t
+
+    def get(name: str) -> torch.Tensor | None:
+        t = stored(name)
+        return None if t is None else t.to(device=device, dtype=dtype)
+
+    def linear(name: str, bias: str | None = None) -> Linear:
+        b = get(bias) if bias else None
+        if name + ".min" in arrays:
+            return Int4Linear(arrays[name + ".q"], arrays[name + ".scale"], arrays[name + ".min"], fmt.group,
+                              bias=b, device=device)
+        if name + ".q" in arrays:
+            return Int8Linear(arrays[name + ".q"], arrays[name + ".scale"], bias=b, device=device)
+        w = stored(name)
+        if w is None:
+            raise KeyError(f"weights lack {name!r}")
+        keep = w.dtype == torch.bfloat16 and fmt.name == "bf16"  # bf16 weights stay bf16
+        return FloatLinear(w.to(device=device, dtype=w.dtype if keep else dtype), b)
 
     layers = [
         LayerWeights(
             attn_norm=get(f"layers.{i}.attn_norm"),
-            wqkv=get(f"layers.{i}.wqkv"),
-            bqkv=get(f"layers.{i}.bqkv"),
-            wo=get(f"layers.{i}.wo"),
-            bo=get(f"layers.{i}.bo"),
+            wqkv=linear(f"layers.{i}.wqkv", f"layers.{i}.bqkv"),
+            wo=linear(f"layers.{i}.wo", f"layers.{i}.bo"),
             mlp_norm=get(f"layers.{i}.mlp_norm"),
-            w_gate_up=get(f"layers.{i}.w_gate_up"),
-            w_down=get(f"layers.{i}.w_down"),
+            w_gate_up=linear(f"layers.{i}.w_gate_up"),
+            w_down=linear(f"layers.{i}.w_down"),
         )
         for i in range(cfg.n_layers)
     ]
-    embed = get("embed")
-    lm_head = get("lm_head")
-    return Weights(embed=embed, layers=layers, norm=get("norm"), lm_head=embed if lm_head is None else lm_head)
+    table = stored("embed")
+    head = linear("lm_head") if any(k.startswith("lm_head") for k in arrays) else None
+    if table is not None:
+        # in the compute type when that costs no copy (fp32 on the CPU: the mapped array itself)
+        same = table.dtype == dtype or (fmt.name == "bf16" and table.dtype == torch.bfloat16)
+        table = table.to(device=device, dtype=table.dtype if same or fmt.quantized else dtype)
+        embed = Embedding(dtype, table=table)
+        if head is None:
+            head = FloatLinear(table if table.dtype in (dtype, torch.bfloat16) else table.to(dtype))
+    elif isinstance(head, Int8Linear):
+        embed = Embedding(dtype, head=head)
+    else:
+        raise KeyError("weights hold neither an embedding table nor an int8 head to read it from")
+    return Weights(embed=embed, layers=layers, norm=get("norm"), lm_head=head)
 
 
 def rope_tables(cfg: ModelConfig, n_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,27 +241,27 @@ class Transformer:
         """Query rows computed by recompute."""
         self.fingerprint = ""
         """Identity of the weights when loaded from a resolved model (`engine.loader.ResolvedModel`)."""
+        self.weight_format = WeightFormat.parse(self.engine_cfg.weights).tag
+        """The weights' format (engine.quant.WeightFormat.tag): K/V computed under it is keyed by it."""
 
     @classmethod
     def from_directory(
-        cls, directory: str | Path, engine_cfg: EngineConfig | None = None, *, fingerprint: str | None = None
+        cls, directory: str | Path, engine_cfg: EngineConfig | None = None, *, fingerprint: str | None = None,
+        progress: bool = False,
     ) -> "Transformer":
-        """Load a checkpoint directory. With a `fingerprint`, the fused layout is written once to the
-        model cache and memory-mapped read-only, so every process on the node shares one copy."""
-        import json
-
-        from engine.loader import fused_weights, read_safetensors
-
+        """Load a checkpoint directory in `engine_cfg.weights`' format. With a `fingerprint`, the fp32
+        layout is written once to the model cache and memory-mapped read-only, so every process on the
+        node shares one copy; other formats are always converted once into the cache
+        (engine.weightcache) and mapped the same way."""
         engine_cfg = engine_cfg or EngineConfig()
         if engine_cfg.threads:
             torch.set_num_threads(engine_cfg.threads)
-        cfg = ModelConfig.from_hf(json.loads((Path(directory) / "config.json").read_text()))
         device, dtype = resolve_device_dtype(engine_cfg)
-        if fingerprint:
-            fused = fused_weights(Path(directory), fingerprint, lambda t: fuse_hf(t, cfg))
-        else:
-            fused = fuse_hf(read_safetensors(Path(directory)), cfg)
-        weights = load_weights(fused, cfg, device, dtype)
+        fmt = WeightFormat.parse(engine_cfg.weights)
+        from engine.weightcache import engine_arrays
+
+        cfg, arrays = engine_arrays(directory, fingerprint, fmt, progress=progress)
+        weights = load_weights(arrays, cfg, device, dtype, fmt)
         model = cls(cfg, weights, engine_cfg)
         model.fingerprint = fingerprint or ""
         return model
@@ -310,7 +312,7 @@ class Transformer:
             raise ValueError(f"position {start + n} beyond the model's {self.cos.shape[0]} positions")
         pos = torch.arange(start, start + n, device=self.device)
         try:
-            x = self.w.embed[ids]  # [n, hidden]
+            x = self.w.embed(ids)  # [n, hidden]
             for layer in range(self.cfg.n_layers):
                 x = self._layer(layer, x, pos, cache, contiguous=True, density=density, sdpa=sdpa)
         except BaseException:
@@ -319,7 +321,7 @@ class Transformer:
         self.forward_rows += n
         if not all_logits:
             x = x[-1:]
-        logits = F.linear(rms_norm(x, self.w.norm, self.cfg.rms_norm_eps), self.w.lm_head).float()
+        logits = self.w.lm_head(rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)).float()
         return logits if all_logits else logits[0]
 
     # ---- recompute (LLMS Fig. 7) -------------------------------------------------------------------
@@ -334,7 +336,7 @@ class Transformer:
         rows = [torch.arange(*cache.chunk_range(i)) for i in chunks]
         pos = torch.cat(rows).to(self.device)
         ids = torch.as_tensor(np.asarray(token_ids)[pos.cpu().numpy()], dtype=torch.long, device=self.device)
-        return RecomputeJob(chunks=chunks, x=self.w.embed[ids], pos=pos)
+        return RecomputeJob(chunks=chunks, x=self.w.embed(ids), pos=pos)
 
     @torch.no_grad()
     def recompute_layer(self, cache: KVCache, job: RecomputeJob, layer: int) -> None:
@@ -366,7 +368,7 @@ class Transformer:
         n = x.shape[0]
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, w.wqkv, w.bqkv)  # [n, (Hq + 2 Hkv) D]
+        qkv = w.wqkv(h)  # [n, (Hq + 2 Hkv) D]
         v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
         cos, sin_half = self.cos[pos].unsqueeze(1), self.sin_half[pos].unsqueeze(1)  # [n, 1, D], [n, 1, D/2]
         qk = apply_rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin_half)  # [n, Hq + Hkv, D]
@@ -384,15 +386,12 @@ class Transformer:
             attn = self._attend_native(layer, q, pos, cache, density)
         else:
             attn = self._attend(layer, q, pos, cache, density)
-        # residual adds folded into the GEMMs (beta = 1), SiLU and the gate product in place: fewer
-        # passes over [n, I] activations and fewer fresh allocations
-        if w.bo is None:
-            x.addmm_(attn, w.wo.t())
-        else:
-            x.add_(F.linear(attn, w.wo, w.bo))
+        # residual adds folded into the products (GEMMs with beta = 1), SiLU and the gate product in
+        # place: fewer passes over [n, I] activations and fewer fresh allocations
+        w.wo.add_into(x, attn)
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
-        return x.addmm_(F.silu(gate, inplace=True).mul_(up), w.w_down.t())
+        gate, up = w.w_gate_up(h).chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
+        return w.w_down.add_into(x, F.silu(gate, inplace=True).mul_(up))
 
     def _attend(self, layer, q, pos, cache, density) -> torch.Tensor:
         """Attention of rows `q` `[n, Hq, D]` at ascending positions `pos` over the cache; `[n, Hq D]`.

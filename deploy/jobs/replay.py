@@ -65,6 +65,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help=f"tokens per K/V chunk, a power of two from {lo} to {hi} (LLMS §5.4; default %(default)s)")
     r.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
                    help="a switch of actors.config.Tuning for the services, e.g. streaming_stores=false (repeatable)")
+    r.add_argument("--weights", default="fp32", metavar="FORMAT",
+                   help="weight format: fp32 (default), bf16, int8, int4, int4-g128, ... (README, 'The model')")
     r.add_argument("--ray", action="store_true", help="the service's Ray actors instead of one process")
     r.add_argument("--address", default=None,
                    help="with --ray: the cluster to attach to (default: $RAY_ADDRESS, as under ray job "
@@ -121,12 +123,12 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                               max_gap_s=args.max_gap_s, think_ms=args.think_ms, calls=args.calls or 0,
                               history_tokens=tuple(args.history_tokens), max_context_tokens=args.max_context,
                               use_ray=args.ray, seed=args.seed, chunk_tokens=args.chunk_tokens,
-                              tuning=tuple(_pair(t) for t in args.tuning))
+                              tuning=tuple(_pair(t) for t in args.tuning), weights=args.weights)
         for name in config.policies:
             get_policy(name)
     except (ValueError, KeyError) as e:
         parser.error(str(e))
-    engine = ContextEngine.load(None, EngineConfig(max_context_tokens=args.max_context))
+    engine = ContextEngine.load(None, EngineConfig(max_context_tokens=args.max_context, weights=config.weights))
     trace = _trace(args, engine)
     print(trace.summary(), file=sys.stderr)
     if args.ray:

@@ -244,3 +244,36 @@ def test_a_call_waits_only_for_the_writes_its_own_room_needs(tmp_path):
     assert len(gov.writes) == 0 and gov.pool_used <= 12 * q8
     assert {r.state.value for r in reg.chunks(c)} <= {"both", "swapped"}
     reg.close()
+
+
+def test_chunks_whose_files_could_not_be_read_are_written_again(tmp_path):
+    """A restore that could not use some files (missing, corrupt, or written under another KV key,
+    such as another weight format) recomputes those chunks; the commit voids their files, so they are
+    encoded and written again rather than failing at every later restore."""
+    reg = Registry(str(tmp_path / "registry.db"))
+    io = FakeIO()
+    q8 = nbytes("q8")
+    gov = MemoryGovernor(reg, io, GovernorConfig(pool_bytes=4 * q8, chunk_tokens=CHUNK, policy="llms-no-compress"),
+                         clock=Clock())
+    reg.create_app("app")
+    a, b = (gov.new_ctx("app", "", np.zeros(0, np.int64), "", "{}") for _ in range(2))
+
+    def call(ctx, n, unreadable=()):
+        plan = gov.begin_call(ctx, "app")
+        for w in io.in_flight:
+            w.finish()
+        reply = gov.commit_call(ctx, list(range(n * CHUNK)), "x", "{}", b"", n * CHUNK, np.ones(n), n,
+                                [i for i, _lv, _f in plan.load], unreadable=list(unreadable))
+        gov.admit(ctx, [(i, lv, Handle(ctx, i, lv), nbytes(lv)) for i, lv in sorted(reply.todo.items())],
+                  {i: i * CHUNK for i in reply.todo})
+        return plan, reply
+
+    call(a, 4)
+    call(b, 4)  # a's chunks leave the pool for their files
+    plan, _ = call(a, 4, unreadable=[1, 2])  # a comes back; pretend chunks 1 and 2 failed to read
+    assert [i for i, _lv, _f in plan.load] == [0, 1, 2, 3]
+    assert (a, 1) not in io.files and (a, 2) not in io.files  # the unusable files are deleted
+    assert {i for i, ch in gov.books[a].chunks.items() if ch.handle is not None} == {0, 1, 2, 3}
+    call(b, 4)  # a leaves the pool again: 1 and 2 are written anew, 0 and 3 kept their files
+    assert all(gov.books[a].chunks[i].file is not None for i in range(4))
+    reg.close()

@@ -58,9 +58,9 @@ def test_local_checkpoint_matches_transformers(tmp_path, kind):
     assert resolved.directory == d and len(resolved.fingerprint) == 32
     m = Transformer.from_directory(d, EngineConfig(device="cpu"))
     if kind == "qwen2":
-        assert m.w.layers[0].bqkv is not None
+        assert m.w.layers[0].wqkv.bias is not None
     else:
-        assert m.w.lm_head is not m.w.embed and m.cfg.rope.kind == "llama3"
+        assert m.w.lm_head.weight is not m.w.embed.table and m.cfg.rope.kind == "llama3"
     ids = torch.randint(0, 300, (90,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         ref = ref_model(torch.tensor([ids])).logits[0]

@@ -134,16 +134,18 @@ def test_engine_runs_the_directorys_weights(engine, resolved_model, hf_model):
     import numpy as np
 
     from engine.loader import read_safetensors
-    from engine.model import fuse_hf
+    from engine.layout import fuse_hf
 
     want = fuse_hf(read_safetensors(resolved_model.directory), engine.model.cfg)
     w = engine.model.w
-    got = {"embed": w.embed, "norm": w.norm}
+    got = {"embed": w.embed.table, "norm": w.norm}
     for i, layer in enumerate(w.layers):
-        for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+        for name in ("attn_norm", "mlp_norm"):
             got[f"layers.{i}.{name}"] = getattr(layer, name)
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            got[f"layers.{i}.{name}"] = getattr(layer, name).weight
     assert set(got) <= set(want)
     for name, t in got.items():
         assert np.array_equal(t.detach().cpu().float().numpy(), np.asarray(want[name], dtype=np.float32)), name
     hf_embed = hf_model.model.embed_tokens.weight.detach().cpu().numpy()
-    assert np.array_equal(hf_embed, w.embed.detach().cpu().float().numpy())
+    assert np.array_equal(hf_embed, w.embed.table.detach().cpu().float().numpy())

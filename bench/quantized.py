@@ -1,0 +1,302 @@
+"""Decode and prefill speed and resident memory per weight format, against transformers (float32)
+and llama.cpp (`llama-cpp-python`, when installed) on the same weights and the same cores.
+
+Systems, each run in a subprocess of its own, in an order rotated from round to round (medians over
+rounds are reported):
+
+- `engine:FORMAT` (fp32, bf16, int8, int4, ...): the engine as the service runs it (information
+  density on), on the GGUF named for that format;
+- `transformers`: float32, SDPA attention, inference mode, as `bench.engine_speed` runs it;
+- `llama.cpp:GGUF` on the same GGUF files (Q4_0 for int4 group 32, Q8_0 for int8).
+
+Models: `default` (SmolLM2-135M-Instruct: its Q4_1 GGUF for the engine's fp32/bf16/int4, Q4_0 and Q8_0
+GGUFs written from it for the like-for-like rows) and `1b` (Llama-3.2-1B's shape with SmolLM2's
+vocabulary, random weights written by `bench.model_files`).
+
+    python -m bench.quantized [--models default 1b] [--rounds 3] [--threads 2] [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+NAME = "quantized"
+HEADING = "## Quantized weights"
+PROMPT = 512
+DECODE_PROMPT = 256
+
+
+def _rss() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "RssAnon", "RssFile"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+
+
+# ---- workers (one system per process) ------------------------------------------------------------------
+
+
+def work_engine(model: str, weights: str, repeats: int, decode: int) -> dict:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.loader import resolve_model
+    from engine.model import Transformer
+
+    resolved = resolve_model(model, progress=False)
+    m = Transformer.from_directory(resolved.directory, EngineConfig(device="cpu", weights=weights),
+                                   fingerprint=resolved.fingerprint)
+    m.warmup()
+    rss = _rss()
+    prefill, dec = [], []
+    with torch.inference_mode():
+        ids = _ids(PROMPT, 0)
+        for r in range(repeats + 1):
+            cache = m.new_cache(PROMPT)
+            t = time.perf_counter()
+            m.forward(cache, ids, density=torch.zeros(PROMPT))
+            if r:
+                prefill.append(time.perf_counter() - t)
+        ctx = _ids(DECODE_PROMPT, 1)
+        for r in range(repeats + 1):
+            cache = m.new_cache(DECODE_PROMPT + decode + 16)
+            logits = m.forward(cache, ctx, density=torch.zeros(DECODE_PROMPT))
+            t = time.perf_counter()
+            for i in range(decode):
+                logits = m.forward(cache, [int(logits.argmax())], density=torch.zeros(DECODE_PROMPT + 1 + i))
+            if r:
+                dec.append(time.perf_counter() - t)
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec),
+            "rss": rss, "weights": m.weight_format}
+
+
+def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    rss = _rss()
+    prefill, dec = [], []
+    with torch.inference_mode():
+        ids = torch.tensor([_ids(PROMPT, 0)])
+        for r in range(repeats + 1):
+            t = time.perf_counter()
+            hf(ids, use_cache=True, logits_to_keep=1)
+            if r:
+                prefill.append(time.perf_counter() - t)
+        ctx = torch.tensor([_ids(DECODE_PROMPT, 1)])
+        for r in range(repeats + 1):
+            out = hf(ctx, past_key_values=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1)
+            t = time.perf_counter()
+            for _ in range(decode):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)
+            if r:
+                dec.append(time.perf_counter() - t)
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": rss}
+
+
+def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=1024, n_batch=PROMPT, n_ubatch=PROMPT, n_threads=threads,
+                n_threads_batch=threads, logits_all=False, verbose=False)
+    rss = _rss()
+    prefill, dec = [], []
+    ids = _ids(PROMPT, 0)
+    for r in range(repeats + 1):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        if r:
+            prefill.append(time.perf_counter() - t)
+    ctx = _ids(DECODE_PROMPT, 1)
+    for r in range(repeats + 1):
+        llm.reset()
+        llm.eval(ctx)
+        t = time.perf_counter()
+        for _ in range(decode):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        if r:
+            dec.append(time.perf_counter() - t)
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": rss}
+
+
+# ---- driver ---------------------------------------------------------------------------------------------
+
+
+def model_files(name: str, root: Path) -> dict[str, str]:
+    """Paths per role for a model: `gguf:<TYPE>` files, `hf` (a checkpoint directory for transformers)."""
+    from bench import model_files as mf
+    from engine.loader import default_model_path, resolve_model
+
+    if name == "default":
+        src = default_model_path()
+        out = {"gguf:Q4_1": str(src), "hf": str(resolve_model(progress=False).directory)}
+        for q in ("Q4_0", "Q8_0"):
+            dst = root / f"default-{q}.gguf"
+            if not dst.is_file():
+                mf.requantize(src, dst, q)
+            out[f"gguf:{q}"] = str(dst)
+        return out
+    d = mf.random_model(root / name, **mf.SHAPE_1B)
+    return {"gguf:Q4_0": str(d / "model-Q4_0.gguf"), "gguf:Q8_0": str(d / "model-Q8_0.gguf"), "hf": str(d / "hf")}
+
+
+def systems(files: dict[str, str], have_llamacpp: bool, formats: list[str]) -> dict[str, list[str]]:
+    """System label -> worker arguments."""
+    out = {"transformers fp32": ["transformers", files["hf"]]}
+    for fmt in formats:
+        if fmt in ("fp32", "bf16"):
+            out[f"engine {fmt}"] = ["engine", files.get("gguf:Q4_1", files["hf"]), fmt]
+        elif fmt == "int8":
+            out["engine int8 (Q8_0 GGUF)"] = ["engine", files["gguf:Q8_0"], "int8"]
+        elif fmt == "int4":
+            out["engine int4 (Q4_0 GGUF)"] = ["engine", files["gguf:Q4_0"], "int4"]
+            if "gguf:Q4_1" in files:
+                out["engine int4 (Q4_1 GGUF)"] = ["engine", files["gguf:Q4_1"], "int4"]
+        else:
+            out[f"engine {fmt}"] = ["engine", files.get("gguf:Q4_1", files["gguf:Q4_0"]), fmt]
+    if have_llamacpp:
+        for q in ("Q4_0", "Q8_0"):
+            out[f"llama.cpp {q}"] = ["llama.cpp", files[f"gguf:{q}"]]
+    return out
+
+
+def run_worker(args: list[str], repeats: int, decode: int, threads: int) -> dict:
+    cmd = [sys.executable, "-m", "bench.quantized", "--worker", *args, "--repeats", str(repeats),
+           "--decode-tokens", str(decode), "--threads", str(threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def cpu_line() -> str:
+    model, caches = platform.processor() or platform.machine(), {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() in ("L1d cache", "L2 cache", "L3 cache"):
+                caches[k.strip().split()[0]] = v.strip()
+    except OSError:
+        pass
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni", "avx2") if f" {f}" in flags]
+    return f"{model}; {', '.join(f'{k} {v}' for k, v in caches.items())}; {' '.join(isa)}"
+
+
+def markdown(results: dict, args, seconds: float) -> str:
+    lines = [f"Command: `python -m bench.quantized --models {' '.join(args.models)} --rounds {args.rounds} "
+             f"--threads {args.threads} --decode-tokens {args.decode_tokens}`. Date: {datetime.date.today()}. "
+             f"Machine: {os.cpu_count()} cores, {cpu_line()}. Each system in its own process, {args.threads} "
+             f"threads, order rotated over {args.rounds} rounds; medians of the rounds (each round the median of "
+             f"{args.repeats} repeats). Prefill: {PROMPT} random tokens; decode: {args.decode_tokens} tokens "
+             f"after a {DECODE_PROMPT}-token prompt. Resident memory after loading. Run took {seconds / 60:.0f} min.",
+             ""]
+    for model, rows in results.items():
+        ref = rows["transformers fp32"]
+        lcpp = {k: v for k, v in rows.items() if k.startswith("llama.cpp")}
+        lines += [f"Model `{model}`:", "",
+                  "| system | decode, tok/s | vs transformers | prefill, tok/s | vs transformers | RSS, MB (anon / file) |",
+                  "|---|---:|---:|---:|---:|---|"]
+        for label, r in rows.items():
+            rss = r["rss"]
+            lines.append(f"| {label} | {r['decode']:.1f} | {r['decode'] / ref['decode']:.2f}x | {r['prefill']:.0f} | "
+                         f"{r['prefill'] / ref['prefill']:.2f}x | {rss['VmRSS'] >> 20} ({rss['RssAnon'] >> 20} / "
+                         f"{rss['RssFile'] >> 20}) |")
+        for q, fmt in (("Q4_0", "engine int4 (Q4_0 GGUF)"), ("Q8_0", "engine int8 (Q8_0 GGUF)")):
+            if f"llama.cpp {q}" in lcpp and fmt in rows:
+                lines.append(f"\n{fmt} against llama.cpp {q}: decode {rows[fmt]['decode'] / lcpp[f'llama.cpp {q}']['decode']:.2f}x, "
+                             f"prefill {rows[fmt]['prefill'] / lcpp[f'llama.cpp {q}']['prefill']:.2f}x.")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Workers: --worker engine MODEL FORMAT | transformers DIR | llama.cpp GGUF")
+    ap.add_argument("--models", nargs="+", default=["default"], choices=["default", "1b"])
+    ap.add_argument("--formats", nargs="+", default=["fp32", "bf16", "int8", "int4"],
+                    help="engine weight formats (default fp32 bf16 int8 int4)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; the system order rotates (default 3)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats inside a worker (default 3)")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="decode steps (default 64)")
+    ap.add_argument("--threads", type=int, default=2, help="threads every system uses (default 2)")
+    ap.add_argument("--files", type=Path, default=Path(os.environ.get("LLMAAS_CACHE_DIR", Path.home() / ".cache/llmaas")) / "bench-models",
+                    help="where the model files are written (default: the model cache's bench-models)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even when installed")
+    ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
+    ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        kind, *rest = args.worker
+        if kind == "engine":
+            res = work_engine(rest[0], rest[1], args.repeats, args.decode_tokens)
+        elif kind == "transformers":
+            res = work_transformers(rest[0], args.repeats, args.decode_tokens)
+        else:
+            res = work_llamacpp(rest[0], args.repeats, args.decode_tokens, args.threads)
+        print(json.dumps(res))
+        return 0
+
+    import importlib.util
+
+    have = importlib.util.find_spec("llama_cpp") is not None and not args.no_llamacpp
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("bench.quantized: llama-cpp-python is not installed: no llama.cpp rows "
+              "(pip install '.[bench]' builds it)", file=sys.stderr)
+    t0 = time.perf_counter()
+    args.files.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for model in args.models:
+        files = model_files(model, args.files)
+        sysmap = systems(files, have, args.formats)
+        labels = list(sysmap)
+        samples: dict[str, list[dict]] = {k: [] for k in labels}
+        for r in range(args.rounds):
+            order = labels[r % len(labels):] + labels[: r % len(labels)]
+            for label in order:
+                res = run_worker(sysmap[label], args.repeats, args.decode_tokens, args.threads)
+                samples[label].append(res)
+                print(f"{model} round {r + 1} {label}: decode {res['decode']:.1f} tok/s, prefill "
+                      f"{res['prefill']:.0f} tok/s", file=sys.stderr)
+        results[model] = {k: {"decode": statistics.median(s["decode"] for s in v),
+                              "prefill": statistics.median(s["prefill"] for s in v), "rss": v[-1]["rss"]}
+                          for k, v in samples.items()}
+    from bench.markdown import publish
+
+    return publish(markdown(results, args, time.perf_counter() - t0), args.write, NAME, HEADING)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The engine's linear layers and embedding table over each weight format (engine.quant).
+
+This module deliberately knows nothing about the model's architecture, files or conversion: a layer
+is given its stored arrays (memory-mapped where the loader mapped them) and computes `y = x W^T + b`.
+
+- float (fp32, bf16): `F.linear` on the weight tensor (bf16 weights under a float32 compute dtype: the
+  rows are cast to bfloat16 for the product, whose result comes back as float32).
+- int4, int8, on the CPU with float32 rows: up to `qm_max_rows()` rows (decode, short turns) run in
+  the compiled products of `engine/qmatmul.c`, which read the stored values where they are mapped (no
+  repacked copy: processes on a node share one copy); more rows (prefill, recompute) de-quantize the
+  weight into a scratch buffer and run one float GEMM, which at hundreds of rows is far faster than
+  any product over packed values (docs/benchmarks.md, "Quantized weights").
+- Elsewhere (CUDA, no C compiler, `LLMAAS_NATIVE=0`) the weight is de-quantized with torch ops for
+  every product: correct everywhere, slower.
+
+An `Embedding` reads its rows per token: from a float table (a read-only mapping of the checkpoint
+for an untied model, never read whole), or from the int8 LM head of a tied model (no second copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine import native
+from engine.quant import BLOCK, groups_of
+
+_KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.q4_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int, c_int)
+    lib.q8_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int, c_int)
+    lib.q4_dequantize.argtypes = (ptr, ptr, ptr, i64, i64, i64, ptr, i64, c_int, c_int)
+    lib.q8_dequantize.argtypes = (ptr, ptr, i64, i64, ptr, i64, c_int, c_int)
+    for f in (lib.q4_matmul, lib.q8_matmul, lib.q4_dequantize, lib.q8_dequantize, lib.qm_max_rows, lib.qm_openmp):
+        f.restype = c_int
+    lib.qm_max_rows.argtypes = ()
+    lib.qm_openmp.argtypes = ()
+    return lib
+
+
+def kernels():
+    """engine/qmatmul.c with its signatures declared, or None (native kernels off, or no compiler).
+    Built with -fopenmp where torch runs GNU OpenMP, so its threads are torch's own team."""
+    if not _KERNELS:
+        from engine.model import torch_uses_gnu_openmp
+
+        source = Path(__file__).with_name("qmatmul.c")
+        if torch_uses_gnu_openmp():
+            lib = native.load("qmatmul", source, native.OPENMP_FLAGS, fallback_flags=native.FAST_FLAGS)
+        else:
+            lib = native.load("qmatmul", source, native.FAST_FLAGS)
+        _KERNELS.append(_declare(lib) if lib is not None else None)
+    return _KERNELS[0]
+
+
+def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A tensor over `a` without copying (read-only mappings: torch warns; nothing writes to them)."""
+    if isinstance(a, torch.Tensor):
+        return a
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+class Linear:
+    """`y = x W^T + b` for one weight matrix `[n, k]`. Subclasses hold the weight in one format."""
+
+    __slots__ = ("n", "k", "bias")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`out += x W^T + b` in place (the residual adds of a decoder layer); returns `out`."""
+        return out.add_(self(x))
+
+    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight as a float tensor `[n, k]` (a copy for quantized formats)."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def resident_bytes(self) -> int:
+        """Bytes of the stored weight (what decode reads per token)."""
+        raise NotImplementedError
+
+
+class FloatLinear(Linear):
+    """A float weight (fp32 or bf16); under a float32 compute dtype a bf16 weight takes bf16 rows."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.n, self.k = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+            return y if self.bias is None else y.add_(self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and x.dtype == self.weight.dtype == out.dtype:
+            return out.addmm_(x, self.weight.t())
+        return out.add_(self(x))
+
+    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def resident_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class _QuantLinear(Linear):
+    """Shared dispatch of the quantized formats: few float32 rows on the CPU to the compiled product,
+    the rest through a de-quantized weight."""
+
+    __slots__ = ("lib", "threads_fn")
+
+    def _setup(self, device: torch.device, bias) -> None:
+        self.bias = bias
+        self.lib = kernels() if device.type == "cpu" else None
+        self.threads_fn = torch.get_num_threads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if self.lib is not None and x.dtype == torch.float32 and m <= self.lib.qm_max_rows():
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            y = torch.empty(m, self.n, dtype=torch.float32)
+            self._product(x, y, accumulate=False)
+        else:
+            y = F.linear(x, self.dequantized(x.dtype))
+        return y if self.bias is None else y.add_(self.bias)
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if (self.bias is None and self.lib is not None and x.dtype == out.dtype == torch.float32
+                and m <= self.lib.qm_max_rows() and out.stride(-1) == 1):
+            self._product(x if x.stride(-1) == 1 else x.contiguous(), out, accumulate=True)
+            return out
+        if self.bias is None and x.dtype == out.dtype:
+            return out.addmm_(x, self.dequantized(x.dtype).t())
+        return out.add_(self(x))
+
+    def _product(self, x: torch.Tensor, y: torch.Tensor, *, accumulate: bool) -> None:
+        raise NotImplementedError
+
+
+class Int4Linear(_QuantLinear):
+    """Group-wise asymmetric int4 (engine.quant's stored layout)."""
+
+    __slots__ = ("q", "scale", "mins", "group")
+
+    def __init__(self, q, scale, mins, group: int, *, bias=None, device=torch.device("cpu")) -> None:
+        self.q = _tensor(q).to(device)  # [n, k / 2] uint8
+        self.scale = _tensor(scale).to(device)  # [n, G] float16
+        self.mins = _tensor(mins).to(device)  # [n, G] float16
+        self.group = group
+        self.n, half = self.q.shape
+        self.k = 2 * half
+        if self.scale.shape != (self.n, groups_of(self.k, group)) or self.mins.shape != self.scale.shape:
+            raise ValueError(f"int4 scales of shape {tuple(self.scale.shape)} do not fit a [{self.n}, {self.k}] "
+                             f"weight at group {group}")
+        self._setup(torch.device(device), bias)
+
+    def _product(self, x, y, *, accumulate):
+        rc = self.lib.q4_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.q.data_ptr(),
+                                self.scale.data_ptr(), self.mins.data_ptr(), self.n, self.group, y.data_ptr(),
+                                y.stride(0), int(accumulate), self.threads_fn())
+        if rc:
+            raise RuntimeError("int4 product refused its arguments")
+
+    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        if self.lib is not None and dtype in (torch.float32, torch.bfloat16):
+            out = torch.empty(self.n, self.k, dtype=dtype)
+            rc = self.lib.q4_dequantize(self.q.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(), self.n,
+                                        self.k, self.group, out.data_ptr(), self.k, int(dtype == torch.bfloat16),
+                                        self.threads_fn())
+            if rc:
+                raise RuntimeError("int4 de-quantize refused its arguments")
+            return out
+        n, k = self.n, self.k
+        b = self.q.view(n, k // BLOCK, 1, BLOCK // 2)
+        vals = torch.cat((b & 15, b >> 4), dim=2).view(n, k).float()
+        scale = self.scale.float().repeat_interleave(self.group, dim=1)[:, :k]
+        mins = self.mins.float().repeat_interleave(self.group, dim=1)[:, :k]
+        return vals.mul_(scale).add_(mins).to(dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def resident_bytes(self) -> int:
+        return self.q.numel() + 2 * self.scale.numel() + 2 * self.mins.numel()
+
+
+class Int8Linear(_QuantLinear):
+    """Per-row symmetric int8."""
+
+    __slots__ = ("q", "scale")
+
+    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu")) -> None:
+        self.q = _tensor(q).to(device)  # [n, k] int8
+        self.scale = _tensor(scale).to(device)  # [n] float32
+        self.n, self.k = self.q.shape
+        if self.scale.shape != (self.n,):
+            raise ValueError(f"int8 scales of shape {tuple(self.scale.shape)} for a [{self.n}, {self.k}] weight")
+        self._setup(torch.device(device), bias)
+
+    def _product(self, x, y, *, accumulate):
+        rc = self.lib.q8_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.q.data_ptr(),
+                                self.scale.data_ptr(), self.n, y.data_ptr(), y.stride(0), int(accumulate),
+                                self.threads_fn())
+        if rc:
+            raise RuntimeError("int8 product refused its arguments")
+
+    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        if self.lib is not None and dtype in (torch.float32, torch.bfloat16):
+            out = torch.empty(self.n, self.k, dtype=dtype)
+            rc = self.lib.q8_dequantize(self.q.data_ptr(), self.scale.data_ptr(), self.n, self.k, out.data_ptr(),
+                                        self.k, int(dtype == torch.bfloat16), self.threads_fn())
+            if rc:
+                raise RuntimeError("int8 de-quantize refused its arguments")
+            return out
+        return (self.q.float() * self.scale.float()[:, None]).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype) -> torch.Tensor:
+        """Rows `ids` of the de-quantized weight (a tied model's embeddings)."""
+        return (self.q[ids].float() * self.scale[ids].unsqueeze(1)).to(dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def resident_bytes(self) -> int:
+        return self.q.numel() + 4 * self.scale.numel()
+
+
+class Embedding:
+    """Token rows, read per token: from a float table (kept in its stored type, converted per row) or
+    from a tied model's int8 LM head."""
+
+    __slots__ = ("table", "head", "dtype")
+
+    def __init__(self, dtype, *, table: torch.Tensor | None = None, head: Int8Linear | None = None) -> None:
+        if (table is None) == (head is None):
+            raise ValueError("an embedding reads a table or an int8 head")
+        self.table, self.head, self.dtype = table, head, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return self.head.rows(ids, self.dtype)
+        rows = self.table[ids.to(self.table.device)]
+        return rows.to(device=ids.device, dtype=self.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device if self.table is not None else self.head.device
+
+
+__all__ = ["Linear", "FloatLinear", "Int4Linear", "Int8Linear", "Embedding", "kernels"]

