@@ -65,7 +65,6 @@ def work_engine(model: str, weights: str, repeats: int, decode: int) -> dict:
     m = Transformer.from_directory(resolved.directory, EngineConfig(device="cpu", weights=weights),
                                    fingerprint=resolved.fingerprint)
     m.warmup()
-    rss = _rss()
     prefill, dec = [], []
     with torch.inference_mode():
         ids = _ids(PROMPT, 0)
@@ -85,7 +84,7 @@ def work_engine(model: str, weights: str, repeats: int, decode: int) -> dict:
             if r:
                 dec.append(time.perf_counter() - t)
     return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec),
-            "rss": rss, "weights": m.weight_format}
+            "rss": _rss(), "weights": m.weight_format}
 
 
 def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
@@ -93,7 +92,6 @@ def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    rss = _rss()
     prefill, dec = [], []
     with torch.inference_mode():
         ids = torch.tensor([_ids(PROMPT, 0)])
@@ -111,7 +109,7 @@ def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
                 out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)
             if r:
                 dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": rss}
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": _rss()}
 
 
 def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
@@ -120,7 +118,6 @@ def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
 
     llm = Llama(model_path=gguf, n_ctx=1024, n_batch=PROMPT, n_ubatch=PROMPT, n_threads=threads,
                 n_threads_batch=threads, logits_all=False, verbose=False)
-    rss = _rss()
     prefill, dec = [], []
     ids = _ids(PROMPT, 0)
     for r in range(repeats + 1):
@@ -138,7 +135,7 @@ def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         if r:
             dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": rss}
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": _rss()}
 
 
 # ---- driver ---------------------------------------------------------------------------------------------
@@ -217,7 +214,7 @@ def markdown(results: dict, args, seconds: float) -> str:
              f"Machine: {os.cpu_count()} cores, {cpu_line()}. Each system in its own process, {args.threads} "
              f"threads, order rotated over {args.rounds} rounds; medians of the rounds (each round the median of "
              f"{args.repeats} repeats). Prefill: {PROMPT} random tokens; decode: {args.decode_tokens} tokens "
-             f"after a {DECODE_PROMPT}-token prompt. Resident memory after loading. Run took {seconds / 60:.0f} min.",
+             f"after a {DECODE_PROMPT}-token prompt. Resident memory at the end of the runs. Run took {seconds / 60:.0f} min.",
              ""]
     for model, rows in results.items():
         ref = rows["transformers fp32"]
@@ -274,7 +271,7 @@ def main(argv=None) -> int:
     have = importlib.util.find_spec("llama_cpp") is not None and not args.no_llamacpp
     if importlib.util.find_spec("llama_cpp") is None:
         print("bench.quantized: llama-cpp-python is not installed: no llama.cpp rows "
-              "(pip install '.[bench]' builds it)", file=sys.stderr)
+              "(pyproject.toml's `bench` extra builds it)", file=sys.stderr)
     t0 = time.perf_counter()
     args.files.mkdir(parents=True, exist_ok=True)
     results = {}

@@ -134,6 +134,9 @@ class EngineConfig:
     weights: str = "fp32"
     """Weight format (engine.quant.WeightFormat.tag): `fp32` (the checkpoint as converted), `bf16`,
     `int8`, `int4` (group 32, int8 LM head), `int4-g128`, ...; converted once into the model cache."""
+    int8_activations: bool = True
+    """int4 weights: products of few rows (decode) quantize the rows to int8 per 32 inputs and
+    multiply in integers where AVX-512 VNNI is compiled (engine/qmatmul.c); False: float rows."""
     native_attention: bool = True
     """Prefill attention (with density) in the compiled kernel of `engine/attention.c` on CPU float32
     when it builds here; False keeps the torch blockwise kernel (the reference in tests)."""

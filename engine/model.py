@@ -124,7 +124,7 @@ class RecomputeJob:
 
 
 def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
-                 fmt: WeightFormat | None = None) -> Weights:
+                 fmt: WeightFormat | None = None, *, int8_activations: bool = True) -> Weights:
     """Build engine weights from engine-layout arrays (float ones from `fuse_hf`, or a weight format's
     from engine.weightcache). On the CPU nothing already in its compute type is copied: the tensors
     view the arrays (a read-only mmap shares its pages with every process on the node). bf16 weights
@@ -148,7 +148,7 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
         b = get(bias) if bias else None
         if name + ".min" in arrays:
             return Int4Linear(arrays[name + ".q"], arrays[name + ".scale"], arrays[name + ".min"], fmt.group,
-                              bias=b, device=device)
+                              bias=b, device=device, int8_activations=int8_activations)
         if name + ".q" in arrays:
             return Int8Linear(arrays[name + ".q"], arrays[name + ".scale"], bias=b, device=device)
         w = stored(name)
@@ -261,7 +261,7 @@ class Transformer:
         from engine.weightcache import engine_arrays
 
         cfg, arrays = engine_arrays(directory, fingerprint, fmt, progress=progress)
-        weights = load_weights(arrays, cfg, device, dtype, fmt)
+        weights = load_weights(arrays, cfg, device, dtype, fmt, int8_activations=engine_cfg.int8_activations)
         model = cls(cfg, weights, engine_cfg)
         model.fingerprint = fingerprint or ""
         return model

@@ -7,9 +7,11 @@ is given its stored arrays (memory-mapped where the loader mapped them) and comp
   rows are cast to bfloat16 for the product, whose result comes back as float32).
 - int4, int8, on the CPU with float32 rows: up to `qm_max_rows()` rows (decode, short turns) run in
   the compiled products of `engine/qmatmul.c`, which read the stored values where they are mapped (no
-  repacked copy: processes on a node share one copy); more rows (prefill, recompute) de-quantize the
-  weight into a scratch buffer and run one float GEMM, which at hundreds of rows is far faster than
-  any product over packed values (docs/benchmarks.md, "Quantized weights").
+  repacked copy: processes on a node share one copy); int4 products quantize their rows to int8 per
+  32 inputs where AVX-512 VNNI is compiled (`EngineConfig.int8_activations`). torch's own
+  `_weight_int8pack_mm` took 161 us for a 960x576 weight at one row against 20 us here, and its int4
+  CPU op was slower still at hundreds of rows (docs/benchmarks.md, "Quantized weights"). More rows
+  (prefill, recompute) de-quantize the weight and run one float GEMM.
 - Elsewhere (CUDA, no C compiler, `LLMAAS_NATIVE=0`) the weight is de-quantized with torch ops for
   every product: correct everywhere, slower.
 
@@ -35,14 +37,14 @@ _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.q4_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int, c_int)
+    lib.q4_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int, c_int, c_int)
     lib.q8_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int, c_int)
     lib.q4_dequantize.argtypes = (ptr, ptr, ptr, i64, i64, i64, ptr, i64, c_int, c_int)
     lib.q8_dequantize.argtypes = (ptr, ptr, i64, i64, ptr, i64, c_int, c_int)
-    for f in (lib.q4_matmul, lib.q8_matmul, lib.q4_dequantize, lib.q8_dequantize, lib.qm_max_rows, lib.qm_openmp):
+    for f in (lib.q4_matmul, lib.q8_matmul, lib.q4_dequantize, lib.q8_dequantize, lib.qm_max_rows, lib.qm_openmp,
+              lib.qm_int8_activations):
         f.restype = c_int
-    lib.qm_max_rows.argtypes = ()
-    lib.qm_openmp.argtypes = ()
+    lib.qm_max_rows.argtypes = lib.qm_openmp.argtypes = lib.qm_int8_activations.argtypes = ()
     return lib
 
 
@@ -163,11 +165,15 @@ class _QuantLinear(Linear):
 
 
 class Int4Linear(_QuantLinear):
-    """Group-wise asymmetric int4 (engine.quant's stored layout)."""
+    """Group-wise asymmetric int4 (engine.quant's stored layout). `int8_activations`: the compiled
+    product quantizes its rows to int8 per 32 inputs and multiplies in integers where AVX-512 VNNI
+    was compiled (MNN-LLM §4.2's W4A8; about 0.5% relative error per product on top of the
+    weights'); False keeps float rows."""
 
-    __slots__ = ("q", "scale", "mins", "group")
+    __slots__ = ("q", "scale", "mins", "group", "int8_activations")
 
-    def __init__(self, q, scale, mins, group: int, *, bias=None, device=torch.device("cpu")) -> None:
+    def __init__(self, q, scale, mins, group: int, *, bias=None, device=torch.device("cpu"),
+                 int8_activations: bool = True) -> None:
         self.q = _tensor(q).to(device)  # [n, k / 2] uint8
         self.scale = _tensor(scale).to(device)  # [n, G] float16
         self.mins = _tensor(mins).to(device)  # [n, G] float16
@@ -178,11 +184,12 @@ class Int4Linear(_QuantLinear):
             raise ValueError(f"int4 scales of shape {tuple(self.scale.shape)} do not fit a [{self.n}, {self.k}] "
                              f"weight at group {group}")
         self._setup(torch.device(device), bias)
+        self.int8_activations = bool(int8_activations and self.lib is not None and self.lib.qm_int8_activations())
 
     def _product(self, x, y, *, accumulate):
         rc = self.lib.q4_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.q.data_ptr(),
                                 self.scale.data_ptr(), self.mins.data_ptr(), self.n, self.group, y.data_ptr(),
-                                y.stride(0), int(accumulate), self.threads_fn())
+                                y.stride(0), int(accumulate), self.threads_fn(), int(self.int8_activations))
         if rc:
             raise RuntimeError("int4 product refused its arguments")
 

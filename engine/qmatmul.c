@@ -17,6 +17,7 @@
  * AVX2 registers with -march=native on x86, NEON on arm64. Fused multiply-add is allowed: results
  * match a float reference up to rounding, which the tests bound.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -87,6 +88,8 @@ typedef struct {
     const uint16_t *scale, *mins; /* int4 */
     const float *scale8;          /* int8 */
     const float *xsum;            /* [m, groups] sums of x per group (int4) */
+    const int8_t *xq;             /* [m, k] x quantized per block of 32 (int4 with VNNI) */
+    const float *xd;              /* [m, k / 32] those blocks' scales */
     float *y;
     uint16_t *ybf16; /* de-quantize into bfloat16 instead of float32 when set */
     int accumulate;
@@ -152,9 +155,81 @@ static inline __attribute__((always_inline)) void q4_row(const job_t *jb, i64 j,
     }
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define Q4_VNNI 1
+/* With AVX-512 VNNI the rows of x are quantized to int8 per block of 32 inputs (symmetric, one float
+ * scale a block: MNN-LLM's W4A8) and a block pair's 64 products are one vpdpbusd (unsigned 4-bit
+ * weights times signed 8-bit activations, summed four to an int32 lane: lanes 0-7 hold the first
+ * block's, lanes 8-15 the second's), scaled by weight and activation scales in float. The minimums'
+ * term still uses the float sums of x. About three times fewer instructions than the float path. */
+static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i64 j, const int m, float *sc,
+                                                              float *mn) {
+    const i64 k = jb->k, group = jb->group, groups = (k + group - 1) / group;
+    const i64 nblocks = k / BLOCK, npairs = nblocks / 2;
+    const uint8_t *qj = jb->q + j * (k / 2);
+    for (i64 g = 0; g < groups; g += 16) {
+        const int n = groups - g < 16 ? (int)(groups - g) : 16;
+        halves(jb->scale + j * groups + g, sc + g, n);
+        halves(jb->mins + j * groups + g, mn + g, n);
+    }
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m512 acc[MAX_ROWS];
+    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+    for (i64 p = 0; p < npairs; p++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(qj + p * 32));
+        const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        /* [lo0 lo1 hi0 hi1] -> [lo0 hi0 lo1 hi1]: block 2p's 32 values, then block 2p+1's */
+        const __m512i w = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                                               _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                                               _MM_SHUFFLE(3, 1, 2, 0));
+        const float s0 = sc[2 * p * BLOCK / group], s1 = sc[(2 * p + 1) * BLOCK / group];
+        for (int r = 0; r < m; r++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(jb->xq + r * k + p * 64));
+            const __m512 dots = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
+            const float *d = jb->xd + r * nblocks + 2 * p;
+            const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s0 * d[0]), _mm256_set1_ps(s1 * d[1]), 1);
+            acc[r] = _mm512_fmadd_ps(dots, scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        float v = _mm512_reduce_add_ps(acc[r]);
+        if (nblocks & 1) { /* an odd last block: in float */
+            const i64 b = nblocks - 1;
+            const v16b raw = *(const v16bu *)(qj + b * 16);
+            const float *xr = jb->x + r * jb->ldx + b * BLOCK;
+            v += sc[b * BLOCK / group] * hsum16(u8_to_f(raw & 15) * load16(xr) + u8_to_f(raw >> 4) * load16(xr + 16));
+        }
+        const float *xs = jb->xsum + r * groups;
+        v16f t = (v16f){0};
+        i64 g = 0;
+        for (; g + 16 <= groups; g += 16) t += load16(mn + g) * load16(xs + g);
+        v += hsum16(t);
+        for (; g < groups; g++) v += mn[g] * xs[g];
+        float *yr = jb->y + r * jb->ldy + j;
+        *yr = jb->accumulate ? *yr + v : v;
+    }
+}
+#else
+#define Q4_VNNI 0
+#endif
+
 static void q4_rows(const job_t *jb, i64 j0, i64 j1) {
     const i64 groups = (jb->k + jb->group - 1) / jb->group;
     float sc[groups + 16], mn[groups + 16];
+#if Q4_VNNI
+    if (jb->xq) {
+        for (i64 j = j0; j < j1; j++) {
+            switch (jb->m) {
+            case 1: q4_row_vnni(jb, j, 1, sc, mn); break;
+            case 2: q4_row_vnni(jb, j, 2, sc, mn); break;
+            case 4: q4_row_vnni(jb, j, 4, sc, mn); break;
+            default: q4_row_vnni(jb, j, (int)jb->m, sc, mn); break;
+            }
+        }
+        return;
+    }
+#endif
     for (i64 j = j0; j < j1; j++) {
         switch (jb->m) { /* constant row counts: the accumulators stay in registers */
         case 1: q4_row(jb, j, 1, sc, mn); break;
@@ -316,10 +391,15 @@ int qm_openmp(void) {
 
 int qm_max_rows(void) { return MAX_ROWS; }
 
+/* Whether q4_matmul can quantize activations to int8 (AVX-512 VNNI compiled in). */
+int qm_int8_activations(void) { return Q4_VNNI; }
+
 /* y[m, n] (+)= x[m, k] W^T, W int4 [n, k] (k a multiple of 32, group a multiple of 32); m <= MAX_ROWS.
- * Returns 0, or -1 for arguments out of range. */
+ * `int8_activations`: quantize x per block of 32 and use the VNNI products where they were compiled
+ * (`qm_int8_activations`). Returns 0, or -1 for arguments out of range. */
 int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uint16_t *scale,
-              const uint16_t *mins, i64 n, i64 group, float *y, i64 ldy, int accumulate, int threads) {
+              const uint16_t *mins, i64 n, i64 group, float *y, i64 ldy, int accumulate, int threads,
+              int int8_activations) {
     if (m < 1 || m > MAX_ROWS || k % BLOCK || group < BLOCK || group % BLOCK) return -1;
     const i64 groups = (k + group - 1) / group;
     float xsum[m * groups]; /* at most 8 rows x k / 32 floats */
@@ -332,6 +412,35 @@ int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uin
         }
     job_t jb = {.kind = 4, .x = x, .m = m, .k = k, .n = n, .group = group, .ldx = ldx, .ldy = ldy, .q = q,
                 .scale = scale, .mins = mins, .xsum = xsum, .y = y, .accumulate = accumulate, .threads = threads};
+#if Q4_VNNI
+    int8_t xq[m * k + 64];
+    float xd[m * (k / BLOCK) + 1];
+    if (int8_activations) {
+        for (i64 r = 0; r < m; r++)
+            for (i64 b = 0; b < k / BLOCK; b++) {
+                const float *xb = x + r * ldx + b * BLOCK;
+                float amax = 0.0f;
+                for (int i = 0; i < BLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+                const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                xd[r * (k / BLOCK) + b] = d;
+                for (int i = 0; i < BLOCK; i++) xq[r * k + b * BLOCK + i] = (int8_t)lrintf(xb[i] * inv);
+            }
+        /* the minimums' term over the same quantized rows: then the error is sum_i w_i e_i, with the
+         * weights (centred) rather than their unsigned 4-bit codes (mean 7.5) multiplying the
+         * activations' rounding errors e_i */
+        for (i64 r = 0; r < m; r++)
+            for (i64 g = 0; g < groups; g++) {
+                const i64 e = (g + 1) * group < k ? (g + 1) * group : k;
+                float t = 0.0f;
+                for (i64 i = g * group; i < e; i++) t += (float)xq[r * k + i] * xd[r * (k / BLOCK) + i / BLOCK];
+                xsum[r * groups + g] = t;
+            }
+        jb.xq = xq;
+        jb.xd = xd;
+    }
+#else
+    (void)int8_activations;
+#endif
     run(&jb);
     return 0;
 }
