@@ -1,6 +1,6 @@
 /* Causal grouped-query attention with the column sums of its probabilities (LLMS Eq. 1's information
  * density) in one pass per row block: the prefill kernel of engine/model.py, compiled at first use by
- * storage/native.py. float32 only.
+ * engine/native.py. float32 only. `attn_rows` (at the end) serves a few rows.
  *
  * Work is split into items (KV head h, block of b query rows). For an item the block's M = b * G query
  * rows (G query heads share a KV head) are scaled and gathered; the scores S = Q K^T of the keys the
@@ -73,6 +73,40 @@ static inline v8f vexp(v8f x) {
     p = p * (r * r) + r + splat(1.0f);
     v8i e = ((v8i)t - (v8i)magic + 127) << 23; /* 2^n from the integer in t's low mantissa bits */
     return p * (v8f)e;
+}
+
+/* row[0:len] -> exp(row - max(row)) in place; returns their sum */
+static float exp_row(float *row, i64 len) {
+    const i64 vec = len / 8 * 8;
+    v8f mx = splat(-INFINITY);
+    for (i64 j = 0; j < vec; j += 8) mx = vmax(mx, load8(row + j));
+    float mxs = hmax(mx);
+    for (i64 j = vec; j < len; j++) mxs = mxs > row[j] ? mxs : row[j];
+    v8f sum = splat(0.0f), msp = splat(mxs);
+    for (i64 j = 0; j < vec; j += 8) {
+        v8f e = vexp(load8(row + j) - msp);
+        store8(row + j, e);
+        sum += e;
+    }
+    float sums = hsum(sum);
+    if (vec < len) {
+        float tmp[8] = {0};
+        for (i64 j = vec; j < len; j++) tmp[j - vec] = row[j] - mxs;
+        v8f e = vexp(load8(tmp));
+        for (i64 j = vec; j < len; j++) {
+            row[j] = e[j - vec];
+            sums += e[j - vec];
+        }
+    }
+    return sums;
+}
+
+/* colsum[0:len] += row[0:len] * inv */
+static void add_scaled(float *colsum, const float *row, i64 len, float inv) {
+    const i64 vec = len / 8 * 8;
+    v8f iv = splat(inv);
+    for (i64 j = 0; j < vec; j += 8) store8(colsum + j, load8(colsum + j) + load8(row + j) * iv);
+    for (i64 j = vec; j < len; j++) colsum[j] += row[j] * inv;
 }
 
 /* C[m, 0:16] (+)= A[m, 0:k] B[0:k, 0:16] for m < MR rows; A rows `lda` apart, B rows `ldb` apart.
@@ -187,34 +221,10 @@ static void run_item(job_t *jb, float *scratch, float *colsum, i64 item) {
     for (i64 r = 0; r < m; r++) {
         float *row = s + r * sp;
         const i64 len = pos[r / g] + 1;
-        const i64 vec = len / 8 * 8;
-        v8f mx = splat(-INFINITY);
-        for (i64 j = 0; j < vec; j += 8) mx = vmax(mx, load8(row + j));
-        float mxs = hmax(mx);
-        for (i64 j = vec; j < len; j++) mxs = mxs > row[j] ? mxs : row[j];
-        v8f sum = splat(0.0f), msp = splat(mxs);
-        for (i64 j = 0; j < vec; j += 8) {
-            v8f e = vexp(load8(row + j) - msp);
-            store8(row + j, e);
-            sum += e;
-        }
-        float sums = hsum(sum);
-        if (vec < len) {
-            float tmp[8] = {0};
-            for (i64 j = vec; j < len; j++) tmp[j - vec] = row[j] - mxs;
-            v8f e = vexp(load8(tmp));
-            for (i64 j = vec; j < len; j++) {
-                row[j] = e[j - vec];
-                sums += e[j - vec];
-            }
-        }
+        const float sums = exp_row(row, len);
         for (i64 j = len; j < cols; j++) row[j] = 0.0f;
         inv[r] = 1.0f / sums;
-        if (colsum != NULL) {
-            v8f iv = splat(inv[r]);
-            for (i64 j = 0; j < vec; j += 8) store8(colsum + j, load8(colsum + j) + load8(row + j) * iv);
-            for (i64 j = vec; j < len; j++) colsum[j] += row[j] * inv[r];
-        }
+        if (colsum != NULL) add_scaled(colsum, row, len, inv[r]);
     }
     /* O = P V over blocks of KB keys: a [KB, 16] panel of values (16 KB) serves every row tile from L1,
      * the block's probabilities stay in L2; each row is scaled by its 1/sum at the end */
@@ -331,6 +341,116 @@ int attn_forward(const float *q, i64 q_stride, const i64 *pos, i64 n, const floa
     }
     free(kt);
     free(colsum);
+    free(scratch);
+    return 0;
+}
+
+/* ---- few rows (decode, short turns) ------------------------------------------------------------- */
+
+/* Attention of a few query rows without the transposed copy of the keys (which pays off only when
+ * many rows share it): one item per (row, query head) computes its scores as dot products with each
+ * key row, the softmax, the column sums and P V, in one pass over the keys for the scores and one
+ * for the values. Arguments as attn_forward's. */
+typedef struct {
+    const float *q;
+    i64 q_stride;
+    const i64 *pos;
+    i64 n;
+    const float *k, *v;
+    i64 k_head, v_head, hkv, group, d;
+    float scale;
+    float *out;
+    i64 out_stride;
+    i64 s_pad;
+} rows_job_t;
+
+static void rows_item(const rows_job_t *jb, float *scores, float *colsum, i64 item) {
+    const i64 d = jb->d, heads = jb->hkv * jb->group;
+    const i64 r = item / heads, hq = item % heads, h = hq / jb->group;
+    const i64 len = jb->pos[r] + 1;
+    float qs[256];
+    const float *qr = jb->q + r * jb->q_stride + hq * d;
+    for (i64 c = 0; c < d; c++) qs[c] = qr[c] * jb->scale; /* the query scaled first, as the torch kernel */
+    const float *kh = jb->k + h * jb->k_head, *vh = jb->v + h * jb->v_head;
+    for (i64 j = 0; j < len; j++) {
+        const float *kj = kh + j * d;
+        v8f a = splat(0.0f);
+        for (i64 c = 0; c < d; c += 8) a += load8(qs + c) * load8(kj + c);
+        scores[j] = hsum(a);
+    }
+    const float inv = 1.0f / exp_row(scores, len);
+    if (colsum != NULL) add_scaled(colsum, scores, len, inv);
+    v8f acc[32];
+    for (i64 c = 0; c < d / 8; c++) acc[c] = splat(0.0f);
+    for (i64 j = 0; j < len; j++) {
+        const v8f p = splat(scores[j]);
+        const float *vj = vh + j * d;
+        for (i64 c = 0; c < d / 8; c++) acc[c] += p * load8(vj + 8 * c);
+    }
+    float *dst = jb->out + r * jb->out_stride + hq * d;
+    const v8f iv = splat(inv);
+    for (i64 c = 0; c < d / 8; c++) store8(dst + 8 * c, acc[c] * iv);
+}
+
+typedef struct {
+    const rows_job_t *job;
+    float *scores, *colsum;
+    int id, parts;
+} rows_part_t;
+
+static void *rows_main(void *arg) {
+    rows_part_t *p = arg;
+    const i64 items = p->job->n * p->job->hkv * p->job->group;
+    for (i64 item = p->id; item < items; item += p->parts) rows_item(p->job, p->scores, p->colsum, item);
+    return NULL;
+}
+
+/* attn_forward for a few rows (Hq * D <= 256 * heads; D % 8 == 0, D <= 256). Returns 0, or -1 when
+ * memory for the scratch cannot be had or D is out of range. */
+int attn_rows(const float *q, i64 q_stride, const i64 *pos, i64 n, const float *k, i64 k_head,
+              const float *v, i64 v_head, i64 hkv, i64 group, i64 d, float scale, float *out,
+              i64 out_stride, float *density, int threads) {
+    if (n <= 0) return 0;
+    if (d % 8 || d > 256) return -1;
+    const i64 s = pos[n - 1] + 1, sp = (s + 15) / 16 * 16, items = n * hkv * group;
+    if (threads < 1) threads = 1;
+    if (threads > items) threads = (int)items;
+    if (threads > 16) threads = 16;
+    float *scratch = malloc((size_t)(threads * sp) * sizeof(float) * 2);
+    if (scratch == NULL) return -1;
+    float *colsums = scratch + (size_t)threads * sp;
+    if (density) memset(colsums, 0, (size_t)(threads * sp) * sizeof(float));
+    rows_job_t jb = {q, q_stride, pos, n, k, v, k_head, v_head, hkv, group, d, scale, out, out_stride, sp};
+    rows_part_t parts[16];
+    for (int t = 0; t < threads; t++)
+        parts[t] = (rows_part_t){&jb, scratch + (size_t)t * sp, density ? colsums + (size_t)t * sp : NULL, t, threads};
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), got = omp_get_num_threads();
+        if (got == threads) {
+            rows_main(&parts[t]);
+        } else if (t == 0) { /* a smaller team than asked for: this thread does every part */
+            for (int p = 0; p < threads; p++) rows_main(&parts[p]);
+        }
+    }
+#else
+    pthread_t tids[16];
+    int started = 0;
+    for (int t = 1; t < threads; t++)
+        if (pthread_create(&tids[t], NULL, rows_main, &parts[t]) == 0) started |= 1 << t;
+    rows_main(&parts[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started & (1 << t)) pthread_join(tids[t], NULL);
+        else rows_main(&parts[t]);
+    }
+#endif
+    if (density) {
+        for (int t = 0; t < threads; t++) {
+            const float *cs = colsums + (size_t)t * sp;
+            for (i64 j = 0; j < s; j++) density[j] += cs[j];
+        }
+    }
     free(scratch);
     return 0;
 }

@@ -19,9 +19,9 @@ loaded.
 Attention of 16 or more rows on the CPU in float32 runs in the compiled kernel of `engine/attention.c`
 (built at first use by `engine.native`; one fused pass per block of rows: scores, softmax, density
 column sums, P V, with blocks sized for the caches, on torch's own OpenMP threads), which prefills
-with density faster than the torch kernel (docs/benchmarks.md, "Engine speed"). Elsewhere (decode
-rows, CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise kernel `_attend`
-runs; both are tested against a naive full-matrix reference.
+with density faster than the torch kernel (docs/benchmarks.md, "Engine speed"); fewer rows (decode)
+run its `attn_rows`. Elsewhere (CUDA, no compiler, `EngineConfig.native_attention=False`) the torch
+blockwise kernel `_attend` runs; all are tested against a naive full-matrix reference.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from engine.quant import WeightFormat
 SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-row blocks at 2048 tokens. 64-row
 # blocks beat 32- and 48-row ones at 2048 tokens, and under load from other processes fewer, larger blocks
 # suffer less from OpenMP barrier waits; blocks of hundreds of rows spill a 2 MiB L2 and cost more
-NATIVE_MIN_ROWS = 16  # fewer query rows (decode, a short turn) stay in torch: the kernel copies K transposed
-# once per call, which pays off only when enough rows share it
+NATIVE_MIN_ROWS = 16  # fewer query rows (decode, a short turn) run attn_rows: attn_forward copies K
+# transposed once per call, which pays off only when enough rows share it
 MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alone gives 256 rows at 512 tokens:
 # 2 blocks, a third of the scores masked, which is slower)
 
@@ -71,6 +71,8 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attn_forward.argtypes = (ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float,
                                  ptr, i64, ptr, ctypes.c_int)
     lib.attn_forward.restype = ctypes.c_int
+    lib.attn_rows.argtypes = lib.attn_forward.argtypes
+    lib.attn_rows.restype = ctypes.c_int
     lib.attn_openmp.argtypes = ()
     lib.attn_openmp.restype = ctypes.c_int
     return lib
@@ -447,16 +449,17 @@ class Transformer:
         return out.view(hkv, n, g, d).transpose(0, 1).reshape(n, cfg.n_heads * d)
 
     def _native_rows(self, n: int, pos: torch.Tensor) -> bool:
-        """Whether these rows go to the compiled kernel: CPU float32, head dim a multiple of 16, enough
-        rows for the keys they see (the kernel copies K transposed once per call), and it builds."""
-        return (self.engine_cfg.native_attention and n >= NATIVE_MIN_ROWS and self.device.type == "cpu"
-                and self.dtype == torch.float32 and self.cfg.head_dim % 16 == 0
-                and 8 * n >= int(pos[-1]) + 1 and attention_kernel() is not None)
+        """Whether these rows go to the compiled kernels: CPU float32, head dim a multiple of 16 (at
+        most 256), and they build."""
+        return (self.engine_cfg.native_attention and self.device.type == "cpu" and self.dtype == torch.float32
+                and self.cfg.head_dim % 16 == 0 and self.cfg.head_dim <= 256 and attention_kernel() is not None)
 
     def _attend_native(self, layer, q, pos, cache, density) -> torch.Tensor:
         """`_attend` in engine/attention.c: the same result up to float32 rounding (tested against the
-        naive reference), one fused pass per block of rows (scores, softmax, column sums, P V) on the
-        process's torch thread count."""
+        naive reference) on the process's torch thread count. Enough rows for the keys they see run
+        `attn_forward` (one fused pass per block of rows against the keys transposed once per call);
+        fewer (decode, short turns, recompute of a few chunks of a long context) run `attn_rows`
+        (dot products with each key row, one item per row and query head)."""
         cfg = self.cfg
         n, d = q.shape[0], cfg.head_dim
         k, v = cache.k[layer], cache.v[layer]  # [Hkv, T, D]
@@ -466,7 +469,9 @@ class Transformer:
         if density is not None and not (density.dtype == torch.float32 and density.is_contiguous()):
             raise RuntimeError("density must be a contiguous float32 tensor")
         out = torch.empty(n, cfg.n_heads * d, dtype=q.dtype, device=q.device)
-        rc = attention_kernel().attn_forward(
+        lib = attention_kernel()
+        many = n >= NATIVE_MIN_ROWS and 8 * n >= int(pos[-1]) + 1
+        rc = (lib.attn_forward if many else lib.attn_rows)(
             q.data_ptr(), q.stride(0), pos.data_ptr(), n, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             cfg.n_kv_heads, cfg.group, d, self.scale, out.data_ptr(), out.stride(0),
             density.data_ptr() if density is not None else None, torch.get_num_threads())

@@ -59,8 +59,12 @@ def test_blockwise_attention_matches_full_matrix(engine, pos):
         torch.arange(120, 300),  # prefill after cached tokens
         torch.cat((torch.arange(16, 48), torch.arange(64, 96), torch.arange(200, 216))),  # scattered chunks
         torch.arange(0, 37),  # rows not a multiple of the 16-row block, keys not of the 16-key tile
+        torch.tensor([299]),  # decode: one row against every key (attn_rows)
+        torch.arange(290, 300),  # a short turn (attn_rows)
+        torch.arange(255, 275),  # 20 rows against many keys (attn_rows)
+        torch.tensor([5]),  # one row, fewer keys than a vector
     ],
-    ids=["prefill", "after-cache", "scattered", "ragged"],
+    ids=["prefill", "after-cache", "scattered", "ragged", "decode", "short", "few-rows", "tiny"],
 )
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("build", ["default", "pthreads"])
@@ -106,9 +110,25 @@ def test_native_attention_matches_full_matrix(engine, pos, threads, build, monke
     assert (density[s_all:] == 0.5).all()
 
 
-def test_prefill_takes_the_native_kernel(engine):
-    """Prompts of 16 rows or more go to the kernel on the CPU; decode rows stay in torch."""
+def test_prefill_and_decode_take_their_native_kernels(engine, monkeypatch):
+    """On the CPU in float32 every row goes to a compiled kernel: 16 rows or more, enough for the keys
+    they see, to attn_forward; fewer (decode, few rows against many keys) to attn_rows."""
+    import engine.model as em
+
     model = engine.model
-    assert model._native_rows(64, torch.arange(64))
-    assert not model._native_rows(1, torch.arange(500, 501))
-    assert not model._native_rows(20, torch.arange(980, 1000))  # few rows against many keys
+    lib = em.attention_kernel()
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            return lambda *a: (calls.append(name), fn(*a))[1]
+
+    monkeypatch.setattr(em, "_ATTENTION", [Recorder()])
+    cache = model.new_cache(1024)
+    cache.reserve(1000)
+    q = torch.randn(64, model.cfg.n_heads, model.cfg.head_dim)
+    for rows, pos in [(64, torch.arange(64)), (1, torch.arange(500, 501)), (20, torch.arange(980, 1000))]:
+        assert model._native_rows(rows, pos)
+        model._attend_native(0, q[:rows].contiguous(), pos, cache, None)
+    assert calls == ["attn_forward", "attn_rows", "attn_rows"]
