@@ -209,8 +209,9 @@ def cpu_line() -> str:
 
 
 def markdown(results: dict, args, seconds: float) -> str:
-    lines = [f"Command: `python -m bench.quantized --models {' '.join(args.models)} --rounds {args.rounds} "
-             f"--threads {args.threads} --decode-tokens {args.decode_tokens}`. Date: {datetime.date.today()}. "
+    lines = [f"Command: `python -m bench.quantized --models {' '.join(args.models)} --formats {' '.join(args.formats)} "
+             f"--rounds {args.rounds} --repeats {args.repeats} --threads {args.threads} "
+             f"--decode-tokens {args.decode_tokens}`. Date: {datetime.date.today()}. "
              f"Machine: {os.cpu_count()} cores, {cpu_line()}. Each system in its own process, {args.threads} "
              f"threads, order rotated over {args.rounds} rounds; medians of the rounds (each round the median of "
              f"{args.repeats} repeats). Prefill: {PROMPT} random tokens; decode: {args.decode_tokens} tokens "

@@ -90,6 +90,7 @@ typedef struct {
     const float *xsum;            /* [m, groups] sums of x per group (int4) */
     const int8_t *xq;             /* [m, k] x quantized per block of 32 (int4 with VNNI) */
     const float *xd;              /* [m, k / 32] those blocks' scales */
+    const int32_t *gidx;          /* [k / 32] group of each block (VNNI path: no division per block) */
     float *y;
     uint16_t *ybf16; /* de-quantize into bfloat16 instead of float32 when set */
     int accumulate;
@@ -183,7 +184,7 @@ static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i
         const __m512i w = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
                                                _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
                                                _MM_SHUFFLE(3, 1, 2, 0));
-        const float s0 = sc[2 * p * BLOCK / group], s1 = sc[(2 * p + 1) * BLOCK / group];
+        const float s0 = sc[jb->gidx[2 * p]], s1 = sc[jb->gidx[2 * p + 1]];
         for (int r = 0; r < m; r++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(jb->xq + r * k + p * 64));
             const __m512 dots = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
@@ -198,7 +199,7 @@ static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i
             const i64 b = nblocks - 1;
             const v16b raw = *(const v16bu *)(qj + b * 16);
             const float *xr = jb->x + r * jb->ldx + b * BLOCK;
-            v += sc[b * BLOCK / group] * hsum16(u8_to_f(raw & 15) * load16(xr) + u8_to_f(raw >> 4) * load16(xr + 16));
+            v += sc[jb->gidx[b]] * hsum16(u8_to_f(raw & 15) * load16(xr) + u8_to_f(raw >> 4) * load16(xr + 16));
         }
         const float *xs = jb->xsum + r * groups;
         v16f t = (v16f){0};
@@ -415,6 +416,8 @@ int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uin
 #if Q4_VNNI
     int8_t xq[m * k + 64];
     float xd[m * (k / BLOCK) + 1];
+    int32_t gidx[k / BLOCK + 1];
+    for (i64 b = 0; b < k / BLOCK; b++) gidx[b] = (int32_t)(b * BLOCK / group);
     if (int8_activations) {
         for (i64 r = 0; r < m; r++)
             for (i64 b = 0; b < k / BLOCK; b++) {
@@ -437,6 +440,7 @@ int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uin
             }
         jb.xq = xq;
         jb.xd = xd;
+        jb.gidx = gidx;
     }
 #else
     (void)int8_activations;
