@@ -36,11 +36,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine import native
 from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
 from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
 from engine.quant import WeightFormat
+from engine.threads import load_on_torch_team
 
 SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-row blocks at 2048 tokens. 64-row
 # blocks beat 32- and 48-row ones at 2048 tokens, and under load from other processes fewer, larger blocks
@@ -52,17 +52,6 @@ MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alon
 
 
 _ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
-
-
-def torch_uses_gnu_openmp() -> bool:
-    """Whether this torch runs its CPU threads on GNU OpenMP (libgomp), as the Linux pip wheels do."""
-    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return False
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return "libgomp" in f.read()
-    except OSError:
-        return False
 
 
 def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -79,19 +68,10 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def attention_kernel():
-    """The compiled attention kernel with its signature declared, or None (off, or no compiler).
-
-    Where torch runs on GNU OpenMP the kernel is built with -fopenmp, so its threads are torch's own
-    team (the loader maps the one libgomp.so.1 already loaded). With threads of its own, the kernel
-    shared the cores with torch's team, whose threads spin for a while after every torch op, and ran
-    about half as fast as on torch's team (docs/benchmarks.md, "Engine speed"). Elsewhere, or when
-    -fopenmp does not build, the kernel starts POSIX threads per call."""
+    """The compiled attention kernel with its signature declared, or None (off, or no compiler); its
+    threads are torch's own OpenMP team where they can be (`engine.threads.load_on_torch_team`)."""
     if not _ATTENTION:
-        source = Path(__file__).with_name("attention.c")
-        if torch_uses_gnu_openmp():
-            lib = native.load("attention", source, native.OPENMP_FLAGS, fallback_flags=native.FAST_FLAGS)
-        else:
-            lib = native.load("attention", source, native.FAST_FLAGS)
+        lib = load_on_torch_team("attention", Path(__file__).with_name("attention.c"))
         _ATTENTION.append(declare_attention(lib) if lib is not None else None)
     return _ATTENTION[0]
 
@@ -243,8 +223,13 @@ class Transformer:
         """Query rows computed by recompute."""
         self.fingerprint = ""
         """Identity of the weights when loaded from a resolved model (`engine.loader.ResolvedModel`)."""
-        self.weight_format = WeightFormat.parse(self.engine_cfg.weights).tag
-        """The weights' format (engine.quant.WeightFormat.tag): K/V computed under it is keyed by it."""
+
+
+    @property
+    def weight_format(self) -> str:
+        """The weights' format (engine.quant.WeightFormat.tag, as `EngineConfig` spells it): K/V
+        computed under it is keyed by it."""
+        return self.engine_cfg.weights
 
     @classmethod
     def from_directory(

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine import native
+from engine.threads import load_on_torch_team
 from engine.quant import BLOCK, groups_of
 
 _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
@@ -49,16 +49,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def kernels():
-    """engine/qmatmul.c with its signatures declared, or None (native kernels off, or no compiler).
-    Built with -fopenmp where torch runs GNU OpenMP, so its threads are torch's own team."""
+    """engine/qmatmul.c with its signatures declared, or None (native kernels off, or no compiler); its
+    threads are torch's own OpenMP team where they can be (`engine.threads.load_on_torch_team`)."""
     if not _KERNELS:
-        from engine.model import torch_uses_gnu_openmp
-
-        source = Path(__file__).with_name("qmatmul.c")
-        if torch_uses_gnu_openmp():
-            lib = native.load("qmatmul", source, native.OPENMP_FLAGS, fallback_flags=native.FAST_FLAGS)
-        else:
-            lib = native.load("qmatmul", source, native.FAST_FLAGS)
+        lib = load_on_torch_team("qmatmul", Path(__file__).with_name("qmatmul.c"))
         _KERNELS.append(_declare(lib) if lib is not None else None)
     return _KERNELS[0]
 
@@ -133,16 +127,17 @@ class _QuantLinear(Linear):
     """Shared dispatch of the quantized formats: few float32 rows on the CPU to the compiled product,
     the rest through a de-quantized weight."""
 
-    __slots__ = ("lib", "threads_fn")
+    __slots__ = ("lib", "threads_fn", "max_rows")
 
     def _setup(self, device: torch.device, bias) -> None:
         self.bias = bias
         self.lib = kernels() if device.type == "cpu" else None
         self.threads_fn = torch.get_num_threads
+        self.max_rows = self.lib.qm_max_rows() if self.lib is not None else 0  # rows the compiled product takes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.lib is not None and x.dtype == torch.float32 and m <= self.lib.qm_max_rows():
+        if self.lib is not None and x.dtype == torch.float32 and m <= self.max_rows:
             x = x if x.stride(-1) == 1 else x.contiguous()
             y = torch.empty(m, self.n, dtype=torch.float32)
             self._product(x, y, accumulate=False)
@@ -153,7 +148,7 @@ class _QuantLinear(Linear):
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if (self.bias is None and self.lib is not None and x.dtype == out.dtype == torch.float32
-                and m <= self.lib.qm_max_rows() and out.stride(-1) == 1):
+                and m <= self.max_rows and out.stride(-1) == 1):
             self._product(x if x.stride(-1) == 1 else x.contiguous(), out, accumulate=True)
             return out
         if self.bias is None and x.dtype == out.dtype:

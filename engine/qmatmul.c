@@ -404,13 +404,6 @@ int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uin
     if (m < 1 || m > MAX_ROWS || k % BLOCK || group < BLOCK || group % BLOCK) return -1;
     const i64 groups = (k + group - 1) / group;
     float xsum[m * groups]; /* at most 8 rows x k / 32 floats */
-    for (i64 r = 0; r < m; r++)
-        for (i64 g = 0; g < groups; g++) {
-            const i64 e = (g + 1) * group < k ? (g + 1) * group : k;
-            float s = 0.0f;
-            for (i64 i = g * group; i < e; i++) s += x[r * ldx + i];
-            xsum[r * groups + g] = s;
-        }
     job_t jb = {.kind = 4, .x = x, .m = m, .k = k, .n = n, .group = group, .ldx = ldx, .ldy = ldy, .q = q,
                 .scale = scale, .mins = mins, .xsum = xsum, .y = y, .accumulate = accumulate, .threads = threads};
 #if Q4_VNNI
@@ -443,8 +436,16 @@ int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uin
         jb.gidx = gidx;
     }
 #else
-    (void)int8_activations;
+    int8_activations = 0;
 #endif
+    if (!int8_activations) /* the minimums' term over the float rows */
+        for (i64 r = 0; r < m; r++)
+            for (i64 g = 0; g < groups; g++) {
+                const i64 e = (g + 1) * group < k ? (g + 1) * group : k;
+                float t = 0.0f;
+                for (i64 i = g * group; i < e; i++) t += x[r * ldx + i];
+                xsum[r * groups + g] = t;
+            }
     run(&jb);
     return 0;
 }

@@ -1,7 +1,8 @@
-"""Helper threads that may touch torch run it on one thread.
+"""Threads and torch: helper threads that may touch torch run it on one thread, and compiled kernels
+run their threads on torch's own OpenMP team.
 
-This module deliberately knows nothing about what the helper threads do; it only keeps them out of
-OpenMP.
+This module deliberately knows nothing about what the helper threads or the kernels do; it only
+keeps them out of each other's way.
 
 With the OpenMP build of torch, the first parallel op a thread runs gives that thread an OpenMP team
 of its own, and the team lives as long as the thread. Once a live helper thread (the executor's
@@ -14,6 +15,9 @@ are few (docs/benchmarks.md, "Helper threads and torch"). Setting the helper's o
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+from engine import native
 
 
 def single_threaded_torch() -> None:
@@ -22,3 +26,28 @@ def single_threaded_torch() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(1)
+
+
+def torch_uses_gnu_openmp() -> bool:
+    """Whether this torch runs its CPU threads on GNU OpenMP (libgomp), as the Linux pip wheels do."""
+    import torch
+
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return False
+
+
+def load_on_torch_team(name: str, source: Path):
+    """The C kernel `source` built by engine.native (None: off, or no compiler). Where torch runs on
+    GNU OpenMP it is built with -fopenmp, so its threads are torch's own team (the loader maps the
+    one libgomp.so.1 already loaded): with threads of its own a kernel shared the cores with torch's
+    team, whose threads spin for a while after every torch op, and ran about half as fast
+    (docs/benchmarks.md, "Engine speed"). Elsewhere, or when -fopenmp does not build, the kernel
+    starts POSIX threads per call."""
+    if torch_uses_gnu_openmp():
+        return native.load(name, source, native.OPENMP_FLAGS, fallback_flags=native.FAST_FLAGS)
+    return native.load(name, source, native.FAST_FLAGS)

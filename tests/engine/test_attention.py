@@ -77,13 +77,14 @@ def test_native_attention_matches_full_matrix(engine, pos, threads, build, monke
 
     import engine.model as em
     from engine import native
+    from engine.threads import torch_uses_gnu_openmp
 
     model = engine.model
     cfg = model.cfg
     lib = em.attention_kernel()
     assert lib is not None, "engine/attention.c did not build here (see the RuntimeWarning)"
     if build == "default":
-        assert lib.attn_openmp() == int(em.torch_uses_gnu_openmp())
+        assert lib.attn_openmp() == int(torch_uses_gnu_openmp())
     else:
         source = Path(em.__file__).with_name("attention.c")
         lib = em.declare_attention(ctypes.CDLL(str(native.build("attention", source, native._compiler(), native.FAST_FLAGS))))
