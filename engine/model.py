@@ -130,7 +130,8 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
         b = get(bias) if bias else None
         if name + ".min" in arrays:
             return Int4Linear(arrays[name + ".q"], arrays[name + ".scale"], arrays[name + ".min"], fmt.group,
-                              bias=b, device=device, int8_activations=int8_activations)
+                              bias=b, device=device, int8_activations=int8_activations,
+                              device_pack=dtype == torch.bfloat16)
         if name + ".q" in arrays:
             return Int8Linear(arrays[name + ".q"], arrays[name + ".scale"], bias=b, device=device)
         w = stored(name)

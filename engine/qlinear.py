@@ -12,8 +12,15 @@ is given its stored arrays (memory-mapped where the loader mapped them) and comp
   `_weight_int8pack_mm` took 161 us for a 960x576 weight at one row against 20 us here, and its int4
   CPU op was slower still at hundreds of rows (docs/benchmarks.md, "Quantized weights"). More rows
   (prefill, recompute) de-quantize the weight and run one float GEMM.
-- Elsewhere (CUDA, no C compiler, `LLMAAS_NATIVE=0`) the weight is de-quantized with torch ops for
-  every product: correct everywhere, slower.
+- On CUDA under a bfloat16 compute dtype, int4 weights are packed once at load for torch's
+  `_weight_int4pack_mm` (sm80 and later; group 32-256): on an H100, 13-28 us for a one-row product
+  of Llama-3.2-1B's MLP shapes against 206-214 us de-quantizing per product, 1.13x slower at 512
+  rows; only the packed copy is on the device (docs/benchmarks.md, "Quantized weights"). int8
+  weights are converted to the rows' type and scaled after the product (torch's
+  `_weight_int8pack_mm` was slower on CUDA from 16 rows on). Float32 compute on CUDA de-quantizes
+  int4 per product, so its results equal the CPU's up to summation order.
+- Elsewhere (no C compiler, `LLMAAS_NATIVE=0`, an older GPU) the weight is de-quantized with torch
+  ops for every product: correct everywhere, slower.
 
 An `Embedding` reads its rows per token: from a float table (a read-only mapping of the checkpoint
 for an untied model, never read whole), or from the int8 LM head of a tied model (no second copy).
@@ -137,7 +144,9 @@ class _QuantLinear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.lib is not None and x.dtype == torch.float32 and m <= self.max_rows:
+        if self.lib is None:
+            y = self._torch_product(x)
+        elif x.dtype == torch.float32 and m <= self.max_rows:
             x = x if x.stride(-1) == 1 else x.contiguous()
             y = torch.empty(m, self.n, dtype=torch.float32)
             self._product(x, y, accumulate=False)
@@ -146,40 +155,76 @@ class _QuantLinear(Linear):
         return y if self.bias is None else y.add_(self.bias)
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if (self.bias is None and self.lib is not None and x.dtype == out.dtype == torch.float32
-                and m <= self.max_rows and out.stride(-1) == 1):
+        if self.lib is None or self.bias is not None or x.dtype != out.dtype:
+            return out.add_(self(x))
+        if x.dtype == torch.float32 and x.shape[0] <= self.max_rows and out.stride(-1) == 1:
             self._product(x if x.stride(-1) == 1 else x.contiguous(), out, accumulate=True)
             return out
-        if self.bias is None and x.dtype == out.dtype:
-            return out.addmm_(x, self.dequantized(x.dtype).t())
-        return out.add_(self(x))
+        return out.addmm_(x, self.dequantized(x.dtype).t())
 
     def _product(self, x: torch.Tensor, y: torch.Tensor, *, accumulate: bool) -> None:
+        """The compiled product (CPU, float32 rows): `y = x W^T`, or `y += x W^T`."""
         raise NotImplementedError
+
+    def _torch_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x W^T` with torch ops (devices, or no compiled kernels)."""
+        return F.linear(x, self.dequantized(x.dtype))
 
 
 class Int4Linear(_QuantLinear):
     """Group-wise asymmetric int4 (engine.quant's stored layout). `int8_activations`: the compiled
     product quantizes its rows to int8 per 32 inputs and multiplies in integers where AVX-512 VNNI
     was compiled (MNN-LLM §4.2's W4A8; about 0.5% relative error per product on top of the
-    weights'); False keeps float rows."""
+    weights'); False keeps float rows. `device_pack`: on CUDA, pack the weight for torch's
+    `_weight_int4pack_mm` (bfloat16 rows) when the device and shape allow; the stored values then
+    stay in host memory (the mapped file) and only the packed copy is on the device."""
 
-    __slots__ = ("q", "scale", "mins", "group", "int8_activations")
+    __slots__ = ("q", "scale", "mins", "group", "int8_activations", "packed", "scales_zeros")
 
     def __init__(self, q, scale, mins, group: int, *, bias=None, device=torch.device("cpu"),
-                 int8_activations: bool = True) -> None:
-        self.q = _tensor(q).to(device)  # [n, k / 2] uint8
-        self.scale = _tensor(scale).to(device)  # [n, G] float16
-        self.mins = _tensor(mins).to(device)  # [n, G] float16
+                 int8_activations: bool = True, device_pack: bool = False) -> None:
+        device = torch.device(device)
+        self.q, self.scale, self.mins = _tensor(q), _tensor(scale), _tensor(mins)  # uint8 [n, k/2], fp16 [n, G] x2
         self.group = group
         self.n, half = self.q.shape
         self.k = 2 * half
         if self.scale.shape != (self.n, groups_of(self.k, group)) or self.mins.shape != self.scale.shape:
             raise ValueError(f"int4 scales of shape {tuple(self.scale.shape)} do not fit a [{self.n}, {self.k}] "
                              f"weight at group {group}")
-        self._setup(torch.device(device), bias)
+        self.packed = self.scales_zeros = None
+        if device.type == "cuda" and device_pack:
+            self._pack_for(device)
+        if self.packed is None:
+            self.q, self.scale, self.mins = self.q.to(device), self.scale.to(device), self.mins.to(device)
+        self._setup(device, bias)
         self.int8_activations = bool(int8_activations and self.lib is not None and self.lib.qm_int8_activations())
+
+    def _pack_for(self, device: torch.device) -> None:
+        """torch's CUDA int4 layout: values two per byte (even index high), `_convert_weight_to_int4pack`
+        with the most inner k-tiles the width allows, and per group `[scale, zero]` in bfloat16 for
+        `(q - 8) * scale + zero` (so zero = min + 8 * scale). Leaves `packed` None where torch refuses
+        (compute capability below 8.0, a width or group it does not take)."""
+        n, k, g = self.n, self.k, self.group
+        tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+        if g not in (32, 64, 128, 256) or k % g or n % 8 or tiles is None:
+            return
+        b = self.q.to(device).view(n, k // BLOCK, 1, BLOCK // 2)
+        vals = torch.cat((b & 15, b >> 4), dim=2).view(n, k).to(torch.int32)
+        scale, mins = self.scale.to(device).float(), self.mins.to(device).float()
+        try:
+            packed = torch._convert_weight_to_int4pack(((vals[:, ::2] << 4) | vals[:, 1::2]).to(torch.uint8), tiles)
+            sz = torch.stack((scale, mins + 8 * scale), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            torch._weight_int4pack_mm(torch.zeros(1, k, dtype=torch.bfloat16, device=device), packed, g, sz)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return
+        self.packed, self.scales_zeros = packed, sz
+
+    def _torch_product(self, x):
+        if self.packed is None:
+            return super()._torch_product(x)
+        rows = x.reshape(-1, self.k).to(torch.bfloat16).contiguous()
+        y = torch._weight_int4pack_mm(rows, self.packed, self.group, self.scales_zeros)
+        return y.to(x.dtype).view(*x.shape[:-1], self.n)
 
     def _product(self, x, y, *, accumulate):
         rc = self.lib.q4_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.q.data_ptr(),
@@ -202,13 +247,15 @@ class Int4Linear(_QuantLinear):
         vals = torch.cat((b & 15, b >> 4), dim=2).view(n, k).float()
         scale = self.scale.float().repeat_interleave(self.group, dim=1)[:, :k]
         mins = self.mins.float().repeat_interleave(self.group, dim=1)[:, :k]
-        return vals.mul_(scale).add_(mins).to(dtype)
+        return vals.mul_(scale).add_(mins).to(device=self.device, dtype=dtype)
 
     @property
     def device(self) -> torch.device:
-        return self.q.device
+        return self.q.device if self.packed is None else self.packed.device
 
     def resident_bytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.numel() * self.packed.element_size() + 2 * self.scales_zeros.numel()
         return self.q.numel() + 2 * self.scale.numel() + 2 * self.mins.numel()
 
 
@@ -241,6 +288,9 @@ class Int8Linear(_QuantLinear):
                 raise RuntimeError("int8 de-quantize refused its arguments")
             return out
         return (self.q.float() * self.scale.float()[:, None]).to(dtype)
+
+    def _torch_product(self, x):
+        return F.linear(x, self.q.to(x.dtype)).mul_(self.scale.to(x.dtype))
 
     def rows(self, ids: torch.Tensor, dtype) -> torch.Tensor:
         """Rows `ids` of the de-quantized weight (a tied model's embeddings)."""

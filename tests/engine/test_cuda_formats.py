@@ -1,0 +1,108 @@
+"""The weight formats (engine.quant) on CUDA (device from the environment): a model converted to
+bf16, int8 and int4 loads its stored values onto the device, and under a float32 compute dtype its
+logits there equal the same format's logits on the CPU up to float summation order (both multiply
+by the same stored values; the CPU's int4 products run with float rows here,
+`int8_activations=False`, so that nothing but the order of the sums differs). Decode through the
+chunked cache follows the prefill's logits. Under bfloat16 compute, int4 runs torch's packed int4
+kernel and tracks the float32-compute run.
+
+Skipped when torch sees no CUDA device, so CI on the CPU skips it. `LLMAAS_TEST_DEVICE=cpu` runs the
+same checks on the CPU (how this file is debugged without a GPU); the default is `cuda`.
+
+The checkpoint is a small random-weight Llama written by transformers (safetensors), so every format
+is quantized at conversion here; the GGUF repack is tested on the CPU (tests/engine/test_quant.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.model import Transformer
+from engine.qlinear import FloatLinear, Int4Linear, Int8Linear
+from tests.engine.test_cuda import CFG, DEVICE, pytestmark as cuda_only
+
+pytestmark = cuda_only  # the same skip (and checkpoint shape) as test_cuda.py
+
+N_PROMPT = 90
+FORMATS = {"bf16": FloatLinear, "int8": Int8Linear, "int4": Int4Linear, "int4-g128": Int4Linear}
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CFG["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("cuda-formats")
+    model = LlamaForCausalLM(LlamaConfig(**CFG, tie_word_embeddings=False))
+    model.eval().save_pretrained(root / "llama")
+    return root / "llama"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """Conversions go to a cache of this module's own (the random checkpoint has no fingerprint to
+    share with anything else)."""
+    old = os.environ.get("LLMAAS_CACHE_DIR")
+    os.environ["LLMAAS_CACHE_DIR"] = str(tmp_path_factory.mktemp("cuda-formats-cache"))
+    yield
+    if old is None:
+        os.environ.pop("LLMAAS_CACHE_DIR")
+    else:
+        os.environ["LLMAAS_CACHE_DIR"] = old
+
+
+def _load(checkpoint, device: str, weights: str, dtype: str = "float32") -> Transformer:
+    return Transformer.from_directory(checkpoint, EngineConfig(device=device, dtype=dtype, weights=weights,
+                                                               int8_activations=False))
+
+
+@pytest.mark.parametrize("weights", list(FORMATS))
+def test_each_format_on_the_device_matches_the_same_format_on_the_cpu(checkpoint, weights):
+    host = _load(checkpoint, "cpu", weights)
+    dev = _load(checkpoint, DEVICE, weights)
+    layer = dev.w.layers[0]
+    assert isinstance(layer.wqkv, FORMATS[weights]) and layer.wqkv.device.type == torch.device(DEVICE).type
+    assert dev.w.lm_head.device.type == torch.device(DEVICE).type
+    assert dev.weight_format == host.weight_format
+    seq = _ids(N_PROMPT, 1)
+    ref = host.forward(host.new_cache(N_PROMPT), seq, all_logits=True)
+    got = dev.forward(dev.new_cache(N_PROMPT), seq, all_logits=True)
+    assert got.device.type == torch.device(DEVICE).type and got.dtype == torch.float32
+    err = (got.cpu() - ref).abs().max().item()
+    # quantized formats de-quantize to float32 rows; bf16 weights take bfloat16 rows (8-bit mantissa)
+    tol = (1e-2 if weights == "bf16" else 1e-4) * max(ref.abs().max().item(), 1.0)
+    print(f"{weights} on {DEVICE}: max |logit diff| to the CPU {err:.2e} (bound {tol:.2e})")
+    assert err < tol, f"{weights}: {err:.2e}"
+    # decode one token at a time through the device's chunked cache: the teacher-forced logits again
+    cache = dev.new_cache(16)
+    logits = dev.forward(cache, seq[:40])
+    for k, t in enumerate(seq[40:60]):
+        assert (logits - got[39 + k]).abs().max().item() < tol
+        logits = dev.forward(cache, [t])
+
+
+def test_int4_under_bfloat16_compute_tracks_float32_compute(checkpoint):
+    """int4 weights with a bfloat16 working set (the CUDA default dtype): the top-1 token agrees with
+    the float32-compute run of the same weights at most positions, and nothing is NaN."""
+    f32 = _load(checkpoint, DEVICE, "int4")
+    b16 = _load(checkpoint, DEVICE, "int4", "bfloat16")
+    assert b16.new_cache(1).kv.dtype == torch.bfloat16
+    if torch.device(DEVICE).type == "cuda" and torch.cuda.get_device_capability() >= (8, 0):
+        wqkv = b16.w.layers[0].wqkv  # packed for torch's int4 kernel; the stored values stay on the host
+        assert wqkv.packed is not None and wqkv.q.device.type == "cpu" and wqkv.device.type == "cuda"
+        assert f32.w.layers[0].wqkv.packed is None  # float32 compute de-quantizes (equal to the CPU's)
+    seq = _ids(N_PROMPT, 2)
+    a = f32.forward(f32.new_cache(N_PROMPT), seq, all_logits=True)
+    b = b16.forward(b16.new_cache(N_PROMPT), seq, all_logits=True)
+    assert torch.isfinite(b).all()
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"int4 on {DEVICE}: top-1 agreement bfloat16 against float32 compute {agree:.3f}")
+    assert agree >= 0.85
