@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
+from engine.lora import Adapter
 from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
 from engine.quant import WeightFormat
 from engine.threads import load_on_torch_team
@@ -102,6 +103,7 @@ class RecomputeJob:
     """Chunk indices being recomputed, ascending."""
     x: torch.Tensor  # [m, hidden]: hidden states of the missing rows entering `next_layer`
     pos: torch.Tensor  # [m] positions (== slots) of the missing rows, ascending
+    adapter: Adapter | None = None  # the LoRA adapter the context's K/V is computed under
     next_layer: int = 0
 
 
@@ -280,13 +282,16 @@ class Transformer:
         density: torch.Tensor | None = None,
         all_logits: bool = False,
         sdpa: bool = False,
+        adapter: Adapter | None = None,
     ) -> torch.Tensor:
         """Append `token_ids` to the context in `cache` and return logits.
 
         Returns `[V]` for the last row, or `[n, V]` with `all_logits`. When `density` (a float32 tensor
         with at least `cache.length + n` entries) is given, the attention each key receives from the new
         rows, summed over heads and layers, is added into it. `sdpa` uses torch's fused attention instead
-        (no density; for measuring what density costs). Requires every chunk to be present.
+        (no density; for measuring what density costs). `adapter`: a LoRA adapter (engine.lora) added to
+        the products; the cache's K/V must have been computed under the same one. Requires every chunk
+        to be present.
         """
         if cache.missing:
             raise RuntimeError(f"forward over a context with missing chunks {sorted(cache.missing)}")
@@ -302,7 +307,8 @@ class Transformer:
         try:
             x = self.w.embed(ids)  # [n, hidden]
             for layer in range(self.cfg.n_layers):
-                x = self._layer(layer, x, pos, cache, contiguous=True, density=density, sdpa=sdpa)
+                x = self._layer(layer, x, pos, cache, contiguous=True, density=density, sdpa=sdpa,
+                                adapter=adapter)
         except BaseException:
             cache.truncate(start)
             raise
@@ -314,8 +320,9 @@ class Transformer:
 
     # ---- recompute (LLMS Fig. 7) -------------------------------------------------------------------
     @torch.no_grad()
-    def recompute_start(self, cache: KVCache, token_ids, chunks) -> RecomputeJob:
-        """Begin recomputing `chunks` of `cache` from the context's full `token_ids`."""
+    def recompute_start(self, cache: KVCache, token_ids, chunks, *, adapter: Adapter | None = None) -> RecomputeJob:
+        """Begin recomputing `chunks` of `cache` from the context's full `token_ids`, under the LoRA
+        `adapter` the context's K/V is computed with."""
         chunks = sorted(set(chunks))
         if not chunks:
             raise ValueError("nothing to recompute")
@@ -324,7 +331,7 @@ class Transformer:
         rows = [torch.arange(*cache.chunk_range(i)) for i in chunks]
         pos = torch.cat(rows).to(self.device)
         ids = torch.as_tensor(np.asarray(token_ids)[pos.cpu().numpy()], dtype=torch.long, device=self.device)
-        return RecomputeJob(chunks=chunks, x=self.w.embed(ids), pos=pos)
+        return RecomputeJob(chunks=chunks, x=self.w.embed(ids), pos=pos, adapter=adapter)
 
     @torch.no_grad()
     def recompute_layer(self, cache: KVCache, job: RecomputeJob, layer: int) -> None:
@@ -336,27 +343,31 @@ class Transformer:
         """
         if layer != job.next_layer:
             raise RuntimeError(f"recompute layer {layer} out of order (expected {job.next_layer})")
-        job.x = self._layer(layer, job.x, job.pos, cache, contiguous=False, density=None, sdpa=False)
+        job.x = self._layer(layer, job.x, job.pos, cache, contiguous=False, density=None, sdpa=False,
+                            adapter=job.adapter)
         job.next_layer += 1
         if job.next_layer == self.cfg.n_layers:
             self.recomputed_rows += job.pos.numel()
             cache.mark_present(job.chunks)
 
-    def recompute(self, cache: KVCache, token_ids, chunks) -> None:
+    def recompute(self, cache: KVCache, token_ids, chunks, *, adapter: Adapter | None = None) -> None:
         """Recompute `chunks` through all layers, exactly (global positions, causal mask)."""
-        job = self.recompute_start(cache, token_ids, chunks)
+        job = self.recompute_start(cache, token_ids, chunks, adapter=adapter)
         for layer in range(self.cfg.n_layers):
             self.recompute_layer(cache, job, layer)
 
     # ---- one layer -------------------------------------------------------------------------------
-    def _layer(self, layer, x, pos, cache, *, contiguous, density, sdpa):
+    def _layer(self, layer, x, pos, cache, *, contiguous, density, sdpa, adapter=None):
         """One decoder layer over rows `x` `[n, hidden]`; returns the new rows, updating `x` in place
-        (callers pass hidden states they own)."""
+        (callers pass hidden states they own). An adapter's deltas are added after each base product."""
         cfg, w = self.cfg, self.w.layers[layer]
+        lora = adapter.layers[layer] if adapter is not None else {}
         n = x.shape[0]
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
         qkv = w.wqkv(h)  # [n, (Hq + 2 Hkv) D]
+        if "wqkv" in lora:
+            lora["wqkv"].add_into(qkv, h)
         v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
         cos, sin_half = self.cos[pos].unsqueeze(1), self.sin_half[pos].unsqueeze(1)  # [n, 1, D], [n, 1, D/2]
         qk = apply_rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin_half)  # [n, Hq + Hkv, D]
@@ -377,9 +388,18 @@ class Transformer:
         # residual adds folded into the products (GEMMs with beta = 1), SiLU and the gate product in
         # place: fewer passes over [n, I] activations and fewer fresh allocations
         w.wo.add_into(x, attn)
+        if "wo" in lora:
+            lora["wo"].add_into(x, attn)
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate, up = w.w_gate_up(h).chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
-        return w.w_down.add_into(x, F.silu(gate, inplace=True).mul_(up))
+        gate_up = w.w_gate_up(h)  # [n, 2 I]
+        if "w_gate_up" in lora:
+            lora["w_gate_up"].add_into(gate_up, h)
+        gate, up = gate_up.chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
+        act = F.silu(gate, inplace=True).mul_(up)
+        w.w_down.add_into(x, act)
+        if "w_down" in lora:
+            lora["w_down"].add_into(x, act)
+        return x
 
     def _attend(self, layer, q, pos, cache, density) -> torch.Tensor:
         """Attention of rows `q` `[n, Hq, D]` at ascending positions `pos` over the cache; `[n, Hq D]`.

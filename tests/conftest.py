@@ -39,6 +39,19 @@ def hf_model(resolved_model, engine):
     return m.to(engine.model.device).eval()
 
 
+@pytest.fixture(scope="module")
+def private_model_cache(tmp_path_factory):
+    """A model cache of the module's own (`LLMAAS_CACHE_DIR`), for modules that convert checkpoints
+    they wrote themselves: their conversions never pile up in the user's cache."""
+    old = os.environ.get("LLMAAS_CACHE_DIR")
+    os.environ["LLMAAS_CACHE_DIR"] = str(tmp_path_factory.mktemp("model-cache"))
+    yield
+    if old is None:
+        os.environ.pop("LLMAAS_CACHE_DIR")
+    else:
+        os.environ["LLMAAS_CACHE_DIR"] = old
+
+
 SAMPLE_TEXT = (
     "The Python reference manual describes the syntax and core semantics of the language. It is terse, "
     "but attempts to be exact and complete. The semantics of non-essential built-in object types and of "

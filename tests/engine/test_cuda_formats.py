@@ -15,7 +15,6 @@ is quantized at conversion here; the GGUF repack is tested on the CPU (tests/eng
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from engine.model import Transformer
 from engine.qlinear import FloatLinear, Int4Linear, Int8Linear
 from tests.engine.test_cuda import CFG, DEVICE, pytestmark as cuda_only
 
-pytestmark = cuda_only  # the same skip (and checkpoint shape) as test_cuda.py
+pytestmark = [cuda_only, pytest.mark.usefixtures("private_model_cache")]  # test_cuda.py's skip
 
 N_PROMPT = 90
 FORMATS = {"bf16": FloatLinear, "int8": Int8Linear, "int4": Int4Linear, "int4-g128": Int4Linear}
@@ -44,19 +43,6 @@ def checkpoint(tmp_path_factory):
     model = LlamaForCausalLM(LlamaConfig(**CFG, tie_word_embeddings=False))
     model.eval().save_pretrained(root / "llama")
     return root / "llama"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache_dir(tmp_path_factory):
-    """Conversions go to a cache of this module's own (the random checkpoint has no fingerprint to
-    share with anything else)."""
-    old = os.environ.get("LLMAAS_CACHE_DIR")
-    os.environ["LLMAAS_CACHE_DIR"] = str(tmp_path_factory.mktemp("cuda-formats-cache"))
-    yield
-    if old is None:
-        os.environ.pop("LLMAAS_CACHE_DIR")
-    else:
-        os.environ["LLMAAS_CACHE_DIR"] = old
 
 
 def _load(checkpoint, device: str, weights: str, dtype: str = "float32") -> Transformer:
