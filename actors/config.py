@@ -56,6 +56,9 @@ class ServiceConfig:
     """Weight format the model runs in (engine.quant.WeightFormat: `fp32`, `bf16`, `int8`, `int4`,
     `int4-g128`, ...); converted once into the model cache. Part of every chunk's `KVKey`: K/V made
     under one format is never restored under another."""
+    adapter_root: str = ""
+    """Folder the LoRA adapters are loaded from (PEFT directories, engine.lora); a path or symlink
+    leading out of it is refused. Empty: `<data_dir>/adapters`."""
     tuning: Tuning = field(default_factory=Tuning)
     """Speed-only optimisations, each switchable (`Tuning`)."""
     profile: str = ""
@@ -66,6 +69,10 @@ class ServiceConfig:
         if isinstance(self.tuning, dict):  # from a config file or a Serve application's arguments
             self.tuning = tuning_from(self.tuning)
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
+
+    def adapter_dir(self) -> str:
+        """The adapter root in effect (`adapter_root`, or `<data_dir>/adapters`)."""
+        return self.adapter_root or os.path.join(self.data_dir, "adapters")
 
 
 def tuning_from(options: dict) -> Tuning:

@@ -36,6 +36,7 @@ from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, LiveContext
 from engine.density import DensityTracker
 from engine.kvcache import KVCache
+from engine.lora import Adapter, AdapterError, AdapterSet
 from engine.sampling import BadRequestError
 from engine.threads import single_threaded_torch
 from storage import codecs
@@ -90,8 +91,11 @@ class InProcessRestorer:
     lz4 release the GIL too), so both cores work."""
 
     def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h,
-                 threads: int = 2, group_layers: int = GROUP_LAYERS, streaming_stores: bool = True) -> None:
+                 threads: int = 2, group_layers: int = GROUP_LAYERS, streaming_stores: bool = True,
+                 adapters: AdapterSet | None = None) -> None:
         self.model = model
+        self.adapters = adapters or AdapterSet(None, model.cfg)
+        """The executor's adapters (the same object): recompute runs under the context's."""
         self.streaming_stores = streaming_stores
         self.threads = threads
         self.group_layers = group_layers
@@ -111,7 +115,8 @@ class InProcessRestorer:
                              load, list(plan.recompute), groups)
         items = (_read_ahead(lambda: self.io.read_groups(plan.ctx, load, groups)) if pipelined
                  else self.io.read_batches(plan.ctx, load, 1))
-        stats, whole = restore(ws, req, items, model=self.model, pool=self.pool,
+        stats, whole = restore(ws, req, items, model=self.model, adapter=self.adapters.by_key(plan.adapter),
+                               pool=self.pool,
                                resolve=lambda hs: [self.resolve(h) for h in hs],
                                streaming_stores=self.streaming_stores)
         if pipelined:  # loaded layer by layer: re-encoded from the working set after the call
@@ -157,13 +162,17 @@ class ModelExecutor:
         put: Callable[[list[codecs.EncodedChunk]], list[Any]] = list,
         background: bool = True,
         overlap_admit: bool = False,
+        adapters: AdapterSet | None = None,
     ) -> None:
         """`background`: write back after the reply on a thread of its own. `overlap_admit`: a call
         waits for the previous write-back only until it has encoded its chunks from the working set,
         unless both are on the same context (`ServiceConfig.overlap_admit`); the governor port must
-        then take calls from two threads at once (the Ray stub's actor serialises them)."""
+        then take calls from two threads at once (the Ray stub's actor serialises them). `adapters`:
+        the LoRA adapters this process has loaded (engine.lora), shared with an in-process restorer."""
         self.engine = engine
         self.model = engine.model
+        self.adapters = adapters or AdapterSet(None, engine.model.cfg)
+        self._adapters_lock = threading.Lock()  # a context is not bound to an adapter being removed
         self.gov = governor
         self.restorer = restorer
         self.put = put
@@ -200,15 +209,53 @@ class ModelExecutor:
 
     # ---- contexts ---------------------------------------------------------------------------------
     def new_ctx(self, app: str, system_prompt: str | None = None,
-                history: list[tuple[str, str]] | None = None) -> str:
+                history: list[tuple[str, str]] | None = None, adapter: str | None = None) -> str:
         """Create a context; `history` seeds it with earlier (role, text) turns, `user` or `assistant`:
-        their ids are prefilled with the next call."""
+        their ids are prefilled with the next call. `adapter`: the name of a loaded LoRA adapter the
+        context is computed under, for its life."""
         tok = self.engine.tok
         turns, ids = self._seed(system_prompt, history)
         state = {"system_prompt": system_prompt, "turns": [{"role": t.role, "text": t.text} for t in turns] if history else [],
                  "kv_tokens": 0, "overflows": 0}
-        return self.gov.new_ctx(app, system_prompt or "", np.asarray(ids, dtype=np.int64), tok.decode(ids),
-                                json.dumps(state))
+        with self._adapters_lock:
+            key = self.adapters.get(adapter).key if adapter else ""
+            return self.gov.new_ctx(app, system_prompt or "", np.asarray(ids, dtype=np.int64), tok.decode(ids),
+                                    json.dumps(state), adapter=key)
+
+    # ---- adapters (engine.lora): loaded here, recorded at the governor, restored at start --------------
+    def add_adapter(self, name: str, path: str) -> dict:
+        """Load the adapter at `path` (under the adapter root) as `name` and record it, so the node
+        loads it again at start; refused with nothing changed when it does not load."""
+        with self._adapters_lock:
+            a = self.adapters.add(name, path)
+            try:
+                self.gov.add_adapter(name, a.path, a.key)
+            except BaseException:
+                self.adapters.remove(name)
+                raise
+        return adapter_info(a)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter (refused at the governor while a context is computed under it)."""
+        with self._adapters_lock:
+            self.gov.remove_adapter(name)
+            if name in self.adapters:
+                self.adapters.remove(name)
+
+    def list_adapters(self) -> list[dict]:
+        return [adapter_info(self.adapters.get(n)) for n in self.adapters.names()]
+
+    def load_recorded_adapters(self) -> list[str]:
+        """Load the adapters the governor records (at start); returns the names that failed to load
+        (logged: their contexts answer `adapter_unavailable` until the files are back)."""
+        failed = []
+        for row in self.gov.adapters():
+            try:
+                self.adapters.resolve(row.name, row.path, row.key)
+            except AdapterError as e:
+                failed.append(row.name)
+                logging.getLogger(__name__).warning("adapter %r not loaded at start: %s", row.name, e)
+        return failed
 
     def _seed(self, system_prompt: str | None, history) -> tuple[list[Turn], list[int]]:
         """The turns and token ids of a conversation's start (system prompt, earlier turns)."""
@@ -227,7 +274,7 @@ class ModelExecutor:
         return turns, list(ids)
 
     def call_stateless(self, system_prompt: str | None, history, prompt: str, deadline: float | None = None,
-                       **params):
+                       adapter: str | None = None, **params):
         """A call on no context (an OpenAI-style call without `context_id`): the conversation so far is
         prefilled into the working set and answered; nothing is stored, locked or counted against the
         app's contexts. Generator of text deltas; returns a `CallOutcome`."""
@@ -240,7 +287,8 @@ class ModelExecutor:
             self.ws.truncate(0)
             self.ws.missing = set()
             ectx = LiveContext(id="", system_prompt=system_prompt, token_ids=ids, conv=Conversation(turns),
-                               cache=self.ws, density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers))
+                               cache=self.ws, density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
+                               adapter=self.adapters.get(adapter) if adapter else None)
             stream = self.engine.stream(ectx, prompt, **params)
             for delta in stream:
                 _check_deadline(deadline, "the call ran past its deadline")
@@ -444,6 +492,7 @@ class ModelExecutor:
         return False, False
 
     def _restore(self, plan: CallPlan) -> tuple[RestoreStats, list]:
+        self.adapters.by_key(plan.adapter)  # `adapter_unavailable` before the working set is touched
         ws = self.ws
         self.ws_ctx = None
         ws.truncate(0)
@@ -469,6 +518,7 @@ class ModelExecutor:
             cache=self.ws,
             density=tr,
             overflows=state.get("overflows", 0),
+            adapter=self.adapters.by_key(plan.adapter),
         )
 
     def _commit(self, plan: CallPlan, ectx: LiveContext, first_modified: int, restored: list[int],
@@ -518,3 +568,7 @@ class ModelExecutor:
                 self.gov.abort_call(ctx)
             raise
 
+
+def adapter_info(a: Adapter) -> dict:
+    """What `GET /v1/adapters` shows of a loaded adapter."""
+    return {"name": a.name, "path": a.path, "key": a.key, "rank": a.rank, "targets": list(a.targets)}

@@ -155,13 +155,26 @@ class MemoryGovernor:
     def delete_app(self, app: str) -> None:
         self.registry.delete_app(app)
 
+    # ---- adapters (the registry's record of what the node loads) -----------------------------------
+    def adapters(self) -> list:
+        """The adapters the node loads (`storage.records.AdapterRow`s)."""
+        return self.registry.adapters()
+
+    def add_adapter(self, name: str, path: str, key: str) -> None:
+        self.registry.add_adapter(name, path, key)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter (`AdapterInUseError` while a context is computed under it)."""
+        self.registry.remove_adapter(name)
+
     # ---- contexts ---------------------------------------------------------------------------------
     def new_ctx(self, app: str, system_prompt: str = "", token_ids=None, text: str = "",
-                state: str | None = None) -> str:
-        """Create a context; with `state`, also save its first token ids, text and state (the executor's),
-        in the same transaction: a failure (a full disk) leaves no half-made context."""
+                state: str | None = None, adapter: str = "") -> str:
+        """Create a context computed under the LoRA adapter of key `adapter` ("" for none); with
+        `state`, also save its first token ids, text and state (the executor's), in the same
+        transaction: a failure (a full disk) leaves no half-made context."""
         with self.registry.transaction():
-            ctx = self.registry.create_context(app, system_prompt)
+            ctx = self.registry.create_context(app, system_prompt, adapter)
             if state is not None:
                 self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, b"")
         self.books[ctx] = CtxBook(app)
@@ -230,7 +243,7 @@ class MemoryGovernor:
         if not turns and system_prompt is not None:
             turns = [{"role": "system", "text": system_prompt}]
         return {
-            "id": ctx, "app": row.app, "system_prompt": system_prompt,
+            "id": ctx, "app": row.app, "system_prompt": system_prompt, "adapter": row.adapter.split("@")[0] or None,
             "tokens": int(len(row.token_ids)), "kv_tokens": book.kv_tokens,
             "created": row.created, "last_used": row.last_used, "busy": ctx in self.locked,
             "turns": [{"role": t["role"], "text": t["text"]} for t in turns],
@@ -297,6 +310,7 @@ class MemoryGovernor:
             self._pending[ctx] = (shape, stages, corrected, model, predicted)
         return CallPlan(
             ctx=ctx,
+            adapter=row.adapter,
             token_ids=np.array(row.token_ids, dtype=np.int32),
             state=saved[0] if saved else None,
             density=saved[1] if saved else b"",

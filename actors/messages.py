@@ -53,6 +53,24 @@ class KVKey:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """A LoRA adapter as a message names it: enough for a process of the node to load it from the
+    adapter root (`engine.lora.AdapterSet.resolve`) and to check that it is the same one."""
+
+    name: str
+    """What callers select it by."""
+    path: str
+    """Its directory under the node's adapter root."""
+    key: str
+    """`name@digest` of its files (`KVKey.adapter`)."""
+
+    @staticmethod
+    def of(adapter) -> "AdapterRef | None":
+        """The reference to a loaded `engine.lora.Adapter` (None for the base model)."""
+        return AdapterRef(adapter.name, adapter.path, adapter.key) if adapter is not None else None
+
+
+@dataclass(frozen=True, slots=True)
 class PoolRef:
     """A resident chunk on Ray: where it is in the object store, and a small key for it. The executor
     puts the chunks of one write-back a few to an object (a list of `EncodedChunk`s,
@@ -100,6 +118,8 @@ class CallPlan:
     """Chunks evicted to make room for this restore."""
     wrote_on_demand: int = 0
     """Chunks written to disk during this call's switch (on-demand swap-out)."""
+    adapter: str = ""
+    """Key (`name@digest`) of the LoRA adapter the context is computed under, "" for none."""
 
 
 @dataclass(slots=True)
@@ -137,6 +157,8 @@ class RestoreRequest:
     present: list[int] = field(default_factory=list)
     """Chunks the caller fills itself: concurrently with a restore that recomputes nothing (resident
     chunks the executor decodes while this restore loads others), or before it (a recompute reads them)."""
+    adapter: AdapterRef | None = None
+    """The LoRA adapter the context is computed under (recompute runs under it)."""
     recompute_failed: bool = True
     """Recompute loaded chunks whose file failed here; False: leave them missing, listed in `failed`,
     for the caller (whose concurrent `present` chunks a recompute would read half-filled)."""

@@ -41,14 +41,26 @@ class GovernorPort(Protocol):
     def delete_app(self, app: str) -> None:
         """Remove an app that has no contexts left."""
 
-    def new_ctx(self, app: str, system_prompt: str, token_ids: np.ndarray, text: str, state: str) -> str:
-        """Create a context with its first token ids and state; returns its id."""
+    def new_ctx(self, app: str, system_prompt: str, token_ids: np.ndarray, text: str, state: str,
+                adapter: str = "") -> str:
+        """Create a context with its first token ids and state, computed under the LoRA adapter of key
+        `adapter` ("" for the base model); returns its id."""
 
     def describe(self, ctx: str, app: str | None = None) -> dict:
         """A context's metadata (`GET /v1/contexts/{id}`)."""
 
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
         """Delete a context, its chunks and files."""
+
+    # ---- LoRA adapters (the registry's record of what the node loads)
+    def adapters(self) -> list:
+        """The recorded adapters (`storage.records.AdapterRow`s)."""
+
+    def add_adapter(self, name: str, path: str, key: str) -> None:
+        """Record an adapter the executor loaded (`adapter_exists` for a taken name)."""
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter (`adapter_in_use` while a context is computed under it)."""
 
     # ---- a call
     def begin_call(self, ctx: str, app: str | None = None, cached: bool = False) -> CallPlan:
@@ -128,8 +140,19 @@ class RecomputePort(Protocol):
 class ExecutorPort(Protocol):
     """The model executor: the working set and the calls."""
 
-    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None) -> str:
-        """Create a context, optionally seeded with earlier (role, text) turns."""
+    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None,
+                adapter: str | None = None) -> str:
+        """Create a context, optionally seeded with earlier (role, text) turns, computed under the
+        loaded LoRA adapter named `adapter` (None: the base model)."""
+
+    def add_adapter(self, name: str, path: str) -> dict:
+        """Load and record a LoRA adapter (`engine.lora`'s refusals change nothing); its description."""
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget a LoRA adapter no context is computed under."""
+
+    def list_adapters(self) -> list[dict]:
+        """The loaded adapters' descriptions."""
 
     def stream(self, app: str | None, ctx: str, prompt: str, params: dict) -> Iterator[Any]:
         """Text deltas (str), then the `CallOutcome` as the last item (object refs on Ray)."""

@@ -183,9 +183,22 @@ class GovernorActor(Health):
         with self._books() as g:
             g.delete_app(app)
 
-    def new_ctx(self, app: str, system_prompt: str, token_ids, text: str, state: str | None) -> str:
+    def new_ctx(self, app: str, system_prompt: str, token_ids, text: str, state: str | None,
+                adapter: str = "") -> str:
         with self._books() as g:
-            return g.new_ctx(app, system_prompt, token_ids, text, state)
+            return g.new_ctx(app, system_prompt, token_ids, text, state, adapter)
+
+    def adapters(self) -> list:
+        with self._lock:
+            return self.gov.adapters()
+
+    def add_adapter(self, name: str, path: str, key: str) -> None:
+        with self._lock:
+            self.gov.add_adapter(name, path, key)
+
+    def remove_adapter(self, name: str) -> None:
+        with self._lock:
+            self.gov.remove_adapter(name)
 
     def describe(self, ctx: str, app: str | None = None) -> dict:
         with self._lock:
@@ -312,6 +325,7 @@ class ExecutorActor(Health):
         from engine.chat import ChatTokenizer
         from engine.context import ContextEngine
         from engine.kvcache import KVCache
+        from engine.lora import AdapterSet
         from engine.model import Transformer
 
         torch.set_num_threads(max(1, threads))
@@ -334,13 +348,15 @@ class ExecutorActor(Health):
         refs = ResidentRefs(t.object_chunks)
         gov = GovernorStub(gov_handle, refs)
         refs.rehome = gov.rehome
+        adapters = AdapterSet(c.adapter_dir(), model.cfg, device=model.device, dtype=model.dtype)
         restorer = RayRestorer(RecomputeStub(recompute_handle), model.cfg, shm_name, engine.limit, c.chunk_tokens,
                                self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held, refs.views,
-                               tuning=t)
+                               tuning=t, adapters=adapters)
         self.refs = refs
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=refs.put, background=True,  # write-back after the reply
-                                overlap_admit=c.overlap_admit)
+                                overlap_admit=c.overlap_admit, adapters=adapters)
+        self.ex.load_recorded_adapters()
         # after a restart: the call in flight died with the old process, whose objects (the resident
         # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
         interrupted = self.ex.gov.executor_started()
@@ -374,8 +390,18 @@ class ExecutorActor(Health):
         if missing:
             m.io_fraction.labels(p).set(r["loaded"] / missing)
 
-    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None) -> str:
-        return self.ex.new_ctx(app, system_prompt, history)
+    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None,
+                adapter: str | None = None) -> str:
+        return self.ex.new_ctx(app, system_prompt, history, adapter)
+
+    def add_adapter(self, name: str, path: str) -> dict:
+        return self.ex.add_adapter(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        self.ex.remove_adapter(name)
+
+    def list_adapters(self) -> list[dict]:
+        return self.ex.list_adapters()
 
     def stream(self, app: str | None, ctx: str, prompt: str, params: dict):
         """Streaming generator: text deltas (str), then the `CallOutcome`."""

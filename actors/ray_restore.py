@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from actors.config import Tuning
-from actors.messages import RestoreRequest
+from actors.messages import AdapterRef, RestoreRequest
 from actors.ray_stubs import resolve_chunks
 from actors.restore import restore
 from actors.swapio import ChunkBatch, layer_groups
@@ -31,8 +31,10 @@ class RayRestorer:
     (`_restore_here`)."""
 
     def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
-                 read_rate, io, held: dict, views: dict, threads: int = 2, tuning: Tuning = Tuning()) -> None:
+                 read_rate, io, held: dict, views: dict, threads: int = 2, tuning: Tuning = Tuning(),
+                 adapters=None) -> None:
         self.worker = worker
+        self.adapters = adapters  # the executor's `engine.lora.AdapterSet`: the worker is told the context's
         self.tuning = tuning
         self.io = io
         self.held = held  # key -> `PoolRef` of the resident chunks (`ResidentRefs.held`)
@@ -72,9 +74,12 @@ class RayRestorer:
         groups = layer_groups(self.cfg.n_layers, size)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, self.held[key]) for i, key in keys],
                              [i for i, _, _ in plan.load], list(plan.recompute), groups,
-                             self.shm_name, self.capacity)
+                             self.shm_name, self.capacity, adapter=self._adapter(plan))
         res = self.worker.restore(req)
         return self._finish(ws, plan, res, size)
+
+    def _adapter(self, plan) -> AdapterRef | None:
+        return AdapterRef.of(self.adapters.by_key(plan.adapter)) if self.adapters is not None else None
 
     def _restore_here(self, ws, plan, keys):
         """Without recompute no chunk waits for another, so this executor runs the restore
@@ -95,7 +100,7 @@ class RayRestorer:
             n = -(-plan.kv_tokens // self.chunk_shape[3])
             fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
                                  [range(self.cfg.n_layers)], self.shm_name, self.capacity,
-                                 present=[i for i in range(n) if i not in res.failed])
+                                 present=[i for i in range(n) if i not in res.failed], adapter=self._adapter(plan))
             again = self.worker.restore(fix)
             res.recomputed = again.recomputed
             res.timeline += again.timeline

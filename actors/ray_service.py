@@ -71,7 +71,7 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     gov = _actor(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
         config, parts, io, resolved.fingerprint)
     recompute = _actor(RecomputeActor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
-        str(resolved.directory), resolved.fingerprint, parts.engine, io, 1, parts.tuning)
+        str(resolved.directory), resolved.fingerprint, parts.engine, io, 1, parts.tuning, config.adapter_dir())
     executor = _actor(executor_actor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
         config, parts, str(resolved.directory), resolved.fingerprint, gov, recompute, io, prefix, 1)
     ray.get([executor.__ray_ready__.remote(), recompute.__ray_ready__.remote()])

@@ -157,8 +157,17 @@ class GovernorStub:
         retry.call(self.handle.delete_app, app)
 
     def new_ctx(self, app: str, system_prompt: str = "", token_ids=None, text: str = "",
-                state: str | None = None) -> str:
-        return retry.call(self.handle.new_ctx, app, system_prompt, token_ids, text, state)
+                state: str | None = None, adapter: str = "") -> str:
+        return retry.call(self.handle.new_ctx, app, system_prompt, token_ids, text, state, adapter)
+
+    def adapters(self) -> list:
+        return retry.call(self.handle.adapters)
+
+    def add_adapter(self, name: str, path: str, key: str) -> None:
+        retry.call(self.handle.add_adapter, name, path, key)
+
+    def remove_adapter(self, name: str) -> None:
+        retry.call(self.handle.remove_adapter, name)
 
     def describe(self, ctx: str, app: str | None = None) -> dict:
         return retry.call(self.handle.describe, ctx, app)
@@ -273,8 +282,18 @@ class ExecutorStub:
     def __init__(self, handle) -> None:
         self.handle = handle
 
-    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None) -> str:
-        return retry.call(self.handle.new_ctx, app, system_prompt, history)
+    def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None,
+                adapter: str | None = None) -> str:
+        return retry.call(self.handle.new_ctx, app, system_prompt, history, adapter)
+
+    def add_adapter(self, name: str, path: str) -> dict:
+        return retry.call(self.handle.add_adapter, name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        retry.call(self.handle.remove_adapter, name)
+
+    def list_adapters(self) -> list[dict]:
+        return retry.call(self.handle.list_adapters)
 
     def stream(self, app: str | None, ctx: str, prompt: str, params: dict):
         return self.handle.stream.remote(app, ctx, prompt, params)

@@ -72,7 +72,8 @@ class RecomputeWorker:
     """Actor body: the model plus a view of the executor's shared working set."""
 
     def __init__(self, model_dir: str, fingerprint: str, engine_cfg, io=None, threads: int = 1,
-                 tuning: Tuning = Tuning()) -> None:
+                 tuning: Tuning = Tuning(), adapter_root: str | None = None) -> None:
+        from engine.lora import AdapterSet
         from engine.model import Transformer
 
         torch.set_num_threads(max(1, threads))
@@ -80,6 +81,8 @@ class RecomputeWorker:
         self.streaming_stores = tuning.streaming_stores
         self.model = Transformer.from_directory(model_dir, engine_cfg, fingerprint=fingerprint)
         self.chunk_tokens = engine_cfg.chunk_tokens
+        self.adapters = AdapterSet(adapter_root, self.model.cfg, device=self.model.device, dtype=self.model.dtype)
+        """Loaded as restores name them (`AdapterSet.resolve`): the executor's registry is the node's."""
         if io is not None:
             from actors.ray_stubs import SwapIOStub
 
@@ -106,6 +109,8 @@ class RecomputeWorker:
 
         ws = self._attach(req.shm_name, req.capacity)
         items = (ray.get(ref) for ref in self.io.read_groups(req.ctx, req.load, req.groups)) if req.load else ()
-        res, _whole = restore(ws, req, items, model=self.model, resolve=resolve_chunks,
+        a = req.adapter
+        adapter = self.adapters.resolve(a.name, a.path, a.key) if a is not None else None
+        res, _whole = restore(ws, req, items, model=self.model, adapter=adapter, resolve=resolve_chunks,
                               streaming_stores=self.streaming_stores)
         return res

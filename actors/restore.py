@@ -110,15 +110,17 @@ class _Decodes:
             raise error
 
 
-def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None,
+def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, adapter=None,
             resolve: Callable[[list], list] = lambda handles: handles,
             pool: ThreadPoolExecutor | None = None,
             streaming_stores: bool = True) -> tuple[RestoreStats, list[tuple[int, Any]]]:
     """Fill `ws` for `req` from the stream `items` (what the IO worker reads of `req.load`, resolved);
     `resolve` turns the resident chunks' handles into `EncodedChunk`s. `model` recomputes (None: the
-    caller has no recompute planned and takes failed chunks back). `pool` de-quantizes when nothing is
-    recomputed; `streaming_stores`: large restores de-quantize with non-temporal stores
-    (`use_streaming_stores`). Returns the statistics and the loaded chunks that came whole, (index, chunk)."""
+    caller has no recompute planned and takes failed chunks back), under the LoRA `adapter` the
+    context is computed with (`engine.lora.Adapter`, which the caller resolves from `req.adapter`).
+    `pool` de-quantizes when nothing is recomputed; `streaming_stores`: large restores de-quantize
+    with non-temporal stores (`use_streaming_stores`). Returns the statistics and the loaded chunks
+    that came whole, (index, chunk)."""
     res = RestoreStats()
     events = res.timeline
     n_layers = ws.kv.shape[0]
@@ -140,7 +142,7 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None,
         res.resident = len(req.resident)
         if req.recompute:  # decoded in this thread: in before a recompute attends to them
             ws.mark_present([i for i, _ in req.resident])
-        job = model.recompute_start(ws, req.token_ids, req.recompute) if req.recompute else None
+        job = model.recompute_start(ws, req.token_ids, req.recompute, adapter=adapter) if req.recompute else None
         for item in handed_over(items if req.load else (), events):
             events.append(("read", item.index, item.read_start, item.read_end))
             layers = getattr(item, "layers", all_layers)
@@ -171,7 +173,7 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None,
     elif res.failed:  # some file failed: recompute it and everything planned, all layers, exactly
         chunks = sorted(set(req.recompute) | set(res.failed))
         t = time.monotonic()
-        model.recompute(ws, req.token_ids, chunks)
+        model.recompute(ws, req.token_ids, chunks, adapter=adapter)
         events.append(("recompute", -1, t, time.monotonic()))
         res.recomputed = len(chunks)
     elif job is not None:

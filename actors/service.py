@@ -110,8 +110,11 @@ class ContextService:
         return self.governor.app_for_token(token)
 
     # ---- contexts
-    def new_ctx(self, token: str, system_prompt: str | None = None, history: list | None = None) -> str:
-        return self.executor.new_ctx(self.app_of(token), system_prompt, history)
+    def new_ctx(self, token: str, system_prompt: str | None = None, history: list | None = None,
+                adapter: str | None = None) -> str:
+        """A context of the token's app, computed under the loaded LoRA adapter `adapter` (None: the
+        base model) for its life."""
+        return self.executor.new_ctx(self.app_of(token), system_prompt, history, adapter)
 
     def list_ctx(self, token: str) -> list:
         return self.governor.list_contexts(self.app_of(token))
@@ -128,6 +131,18 @@ class ContextService:
         self.governor.describe(ctx, app)  # unknown to this app: refused before the executor is touched
         self.executor.forget(ctx)
         self.governor.delete_ctx(ctx, app)
+
+    # ---- LoRA adapters (engine.lora; the HTTP layer admits only the admin here)
+    def add_adapter(self, name: str, path: str) -> dict:
+        """Load the adapter at `path` under the adapter root as `name`; it is loaded again at start."""
+        return self.executor.add_adapter(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter; refused (`adapter_in_use`) while a context is computed under it."""
+        self.executor.remove_adapter(name)
+
+    def list_adapters(self) -> list[dict]:
+        return self.executor.list_adapters()
 
     # ---- calls
     def stream(self, token: str, ctx: str, prompt: str, request_id: str | None = None, **params):
@@ -203,6 +218,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     from actors.governor import MemoryGovernor
     from actors.swapio import KVSwapIO
     from engine.context import ContextEngine
+    from engine.lora import AdapterSet
     from storage.registry import Registry
 
     root = Path(config.data_dir)
@@ -227,8 +243,11 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
         profile = _local_profile(config, engine, fingerprint)
     governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)
     t = parts.tuning
-    restorer = InProcessRestorer(engine.model, io, streaming_stores=t.streaming_stores)
-    executor = ModelExecutor(engine, governor, restorer)
+    m = engine.model
+    adapters = AdapterSet(config.adapter_dir(), m.cfg, device=m.device, dtype=m.dtype)
+    restorer = InProcessRestorer(m, io, streaming_stores=t.streaming_stores, adapters=adapters)
+    executor = ModelExecutor(engine, governor, restorer, adapters=adapters)
+    executor.load_recorded_adapters()
 
     def close() -> None:
         executor.flush()

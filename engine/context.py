@@ -25,6 +25,7 @@ from engine.chat import ChatTokenizer, Conversation, Turn
 from engine.config import EngineConfig, round_up
 from engine.density import DensityTracker
 from engine.kvcache import KVCache
+from engine.lora import Adapter
 from engine.model import Transformer
 from engine.sampling import BadRequestError, SamplingParams, find_stop, holdback, sample
 
@@ -60,6 +61,8 @@ class LiveContext:
     overflows: int = 0
     """Times the context was cut back to its sink and newest chunks."""
     created: float = field(default_factory=time.time)
+    adapter: Adapter | None = None
+    """The LoRA adapter its K/V is computed under (engine.lora), None for the base model."""
 
 
 @dataclass(slots=True)
@@ -148,7 +151,8 @@ class ContextEngine:
         return engine
 
     # ---- LLMS Table 1 ------------------------------------------------------------------------------
-    def new_ctx(self, system_prompt: str | None = None) -> LiveContext:
+    def new_ctx(self, system_prompt: str | None = None, adapter: Adapter | None = None) -> LiveContext:
+        """A context; `adapter`: the LoRA adapter it is computed under (engine.lora), for its life."""
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise BadRequestError("system_prompt must be a string")
         conv = Conversation([Turn("system", system_prompt)] if system_prompt is not None else [])
@@ -162,6 +166,7 @@ class ContextEngine:
             conv=conv,
             cache=self.model.new_cache(round_up(len(ids) + 256, self.cfg.chunk_tokens)),
             density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
+            adapter=adapter,
         )
         self.contexts[ctx.id] = ctx
         return ctx
@@ -209,7 +214,7 @@ class ContextEngine:
         pending = ctx.token_ids[ctx.cache.length :]
         start = ctx.cache.length
         acc = torch.zeros(start + len(pending), dtype=torch.float32, device=self.model.device)
-        logits = self.model.forward(ctx.cache, pending, density=acc)
+        logits = self.model.forward(ctx.cache, pending, density=acc, adapter=ctx.adapter)
         ctx.density.add(start, len(pending), acc.cpu().numpy())
         ctx.prefilled_tokens += len(pending)
         return logits

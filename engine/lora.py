@@ -16,7 +16,8 @@ Every refusal is an `AdapterError` with a stable `code` and changes nothing alre
 `adapter_not_found` (no such directory, or a file missing), `adapter_outside_root` (a path or a
 symlink leading out of the adapter root), `bad_adapter` (unreadable files, another PEFT type, rank 0,
 shapes that do not fit the model, NaN or infinite values, an unknown target module or tensor),
-`adapter_exists`, `unknown_adapter`, `adapter_merge_quantized`.
+`adapter_exists`, `unknown_adapter`, `adapter_unavailable` (a context's adapter is not loaded, or its
+files changed), `adapter_merge_quantized`.
 """
 
 from __future__ import annotations
@@ -257,6 +258,32 @@ class AdapterSet:
             return self._by_name[name]
         except KeyError:
             raise AdapterError("unknown_adapter", f"no adapter named {name!r} is loaded") from None
+
+    def by_key(self, key: str) -> Adapter | None:
+        """The adapter a context's K/V is keyed by ("" for the base model: None). A key not loaded
+        (removed, or its files changed since the context was made) is `adapter_unavailable`: the
+        context's K/V must not be extended under other weights."""
+        if not key:
+            return None
+        a = self._by_name.get(key.partition("@")[0])
+        if a is None or a.key != key:
+            now = f"now {a.key}" if a is not None else "not loaded"
+            raise AdapterError("adapter_unavailable", f"the context is computed under adapter {key}, {now}")
+        return a
+
+    def resolve(self, name: str, path: str, key: str) -> Adapter:
+        """The adapter `key`, loaded from `path` if this process has not loaded it yet (a second
+        process of the node following the first one's registry); `adapter_unavailable` when the
+        files there are no longer the ones `key` names."""
+        a = self._by_name.get(name)
+        if a is None or a.key != key:
+            if self.root is None:
+                raise AdapterError("adapter_unavailable", f"adapter {key}: no adapter root is configured")
+            a = load_adapter(self.root, path, self.cfg, name=name, device=self.device, dtype=self.dtype)
+            if a.key != key:
+                raise AdapterError("adapter_unavailable", f"adapter {name!r} at {path!r} is now {a.key}, not {key}")
+            self._by_name[name] = a
+        return a
 
     def remove(self, name: str) -> None:
         self.get(name)

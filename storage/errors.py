@@ -118,3 +118,21 @@ class UnknownChunkError(RegistryError):
     """No chunk row for that (context, chunk index)."""
 
     code = "unknown_chunk"
+
+
+class UnknownAdapterError(RegistryError, LookupError):
+    """No LoRA adapter of that name is loaded."""
+
+    code = "unknown_adapter"
+
+
+class AdapterExistsError(RegistryError):
+    """An adapter of that name is already loaded."""
+
+    code = "adapter_exists"
+
+
+class AdapterInUseError(RegistryError):
+    """The adapter cannot be removed: contexts are computed under it."""
+
+    code = "adapter_in_use"

@@ -17,7 +17,8 @@ Tables::
 
     apps      name PK, token_sha256 UNIQUE (the token itself is never stored), created
     contexts  id PK (server-made opaque hex), app -> apps, system_prompt, tokens (int32 LE blob),
-              text, created, last_used
+              text, created, last_used, adapter (key of the LoRA adapter it is computed under)
+    adapters  name PK, path (under the adapter root), key (name@digest), created
     chunks    (context -> contexts, idx) PK, state, level, file, checksum, nbytes, density, last_use
 
 Chunk states: ``resident`` (in the memory pool only), ``swapped`` (in a file only), ``both``
@@ -32,7 +33,6 @@ file, marks rows whose file is missing or corrupt for recompute, and lists files
 from __future__ import annotations
 
 import contextlib
-import enum
 import hashlib
 import os
 import secrets
@@ -41,17 +41,18 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from storage.chunkstore import ChunkStore
+from storage.records import (AdapterRow, ChunkRecord, ChunkRow, ChunkState, ContextRecord, ContextSummary,
+                             RegistryConfig, VerifyReport)
 from storage.codecs import codec
-from storage.errors import (AppExistsError, ChunkNotFoundError, ContextLimitError, DiskFullError,
-                            InvalidKeyError, RegistryError, StorageError, UnknownAppError,
-                            UnknownChunkError, UnknownContextError)
+from storage.errors import (AdapterExistsError, AdapterInUseError, AppExistsError, ChunkNotFoundError,
+                            ContextLimitError, DiskFullError, InvalidKeyError, RegistryError, StorageError,
+                            UnknownAdapterError, UnknownAppError, UnknownChunkError, UnknownContextError)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS apps (
@@ -65,8 +66,14 @@ CREATE TABLE IF NOT EXISTS contexts (
     tokens BLOB NOT NULL,
     text TEXT NOT NULL,
     created REAL NOT NULL,
-    last_used REAL NOT NULL);
+    last_used REAL NOT NULL,
+    adapter TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS contexts_by_app ON contexts(app, created);
+CREATE TABLE IF NOT EXISTS adapters (
+    name TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    key TEXT NOT NULL,
+    created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS chunks (
     context TEXT NOT NULL REFERENCES contexts(id) ON DELETE CASCADE,
     idx INTEGER NOT NULL CHECK (idx >= 0),
@@ -87,102 +94,11 @@ CREATE TABLE IF NOT EXISTS context_state (
 """
 
 
-class ChunkState(str, enum.Enum):
-    """Where a chunk's KV lives."""
-
-    RESIDENT = "resident"  # memory pool only
-    SWAPPED = "swapped"  # chunk file only
-    BOTH = "both"  # memory pool, with a clean copy in a file
-    MISSING = "missing"  # nowhere: recompute from the token ids
-
-    @property
-    def on_disk(self) -> bool:
-        return self in (ChunkState.SWAPPED, ChunkState.BOTH)
-
-
 def new_token() -> str:
     """A bearer token: 256 random bits, URL-safe, behind a fixed prefix. The prefix makes tokens
     recognisable and keeps them from starting with '-' (a bare `token_urlsafe` does one time in 64,
     and `llmaas ... --token -xyz` is then read as a missing argument)."""
     return "llmaas_" + secrets.token_urlsafe(32)
-
-
-@dataclass(frozen=True, slots=True)
-class RegistryConfig:
-    """Tunables of the registry."""
-
-    chunk_tokens: int = 16  # tokens per chunk (tokens); chunk i covers [i*n, (i+1)*n)
-    max_contexts_per_app: int = 0  # contexts one app may hold (contexts); 0: unlimited
-    busy_timeout_s: float = 10.0  # wait for another connection's write lock (seconds)
-
-
-@dataclass(frozen=True, slots=True)
-class ContextSummary:
-    """A context without its tokens and text."""
-
-    id: str  # opaque hex id
-    app: str  # owner app name
-    n_tokens: int  # tokens so far (tokens)
-    created: float  # clock seconds
-    last_used: float  # clock seconds
-
-
-@dataclass(frozen=True, slots=True)
-class ContextRecord:
-    """A context row with everything recompute needs."""
-
-    id: str  # opaque hex id
-    app: str  # owner app name
-    system_prompt: str
-    token_ids: np.ndarray  # int32 [n_tokens], read-only: the source of truth for recompute
-    text: str  # decoded text of everything so far (for display; never re-tokenized)
-    created: float  # clock seconds
-    last_used: float  # clock seconds
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRecord:
-    """One chunk row."""
-
-    context: str  # context id
-    index: int  # chunk index
-    state: ChunkState
-    level: str  # codec level of the (resident or stored) copy
-    file: str | None  # chunk file name relative to the store root, when state.on_disk
-    checksum: str | None  # the file's checksum (ChunkMeta.checksum), when state.on_disk
-    nbytes: int  # bytes of the file (0 when none)
-    density: float  # information density (LLMS Eq. 1)
-    last_use: float  # clock seconds
-    pinned: bool = False  # pinned exact: never lowered below raw
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRow:
-    """A chunk row to write (:meth:`Registry.upsert_chunks`); density None keeps the stored one."""
-
-    index: int
-    state: ChunkState | str
-    level: str
-    file: str | None = None
-    checksum: str | None = None
-    nbytes: int = 0
-    density: float | None = None
-    pinned: bool = False  # pinned exact: never lowered below raw (the caller keeps it so)
-
-
-@dataclass(slots=True)
-class VerifyReport:
-    """What :meth:`Registry.verify` found (chunk keys are (context id, chunk index))."""
-
-    checked: int = 0  # rows that named a file
-    missing: list[tuple[str, int]] = field(default_factory=list)  # file gone: marked for recompute
-    corrupt: list[tuple[str, int, str]] = field(default_factory=list)  # (ctx, idx, error code)
-    adopted: list[tuple[str, int]] = field(default_factory=list)  # a valid newer file was adopted
-    orphans: list[str] = field(default_factory=list)  # files no row names (caller may delete)
-
-    @property
-    def marked(self) -> int:
-        return len(self.missing) + len(self.corrupt)
 
 
 def _token_blob(ids: Sequence[int] | np.ndarray) -> bytes:
@@ -250,9 +166,12 @@ class Registry:
             row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) == 1:  # schema 1 had no pinned-exact flag: every chunk unpinned
-                self._db.execute("ALTER TABLE chunks ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0 "
-                                 "CHECK (pinned IN (0, 1))")
+            elif int(row[0]) in (1, 2):
+                if int(row[0]) == 1:  # schema 1 had no pinned-exact flag: every chunk unpinned
+                    self._db.execute("ALTER TABLE chunks ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0 "
+                                     "CHECK (pinned IN (0, 1))")
+                # schema 2 had no adapters: every context on the base model
+                self._db.execute("ALTER TABLE contexts ADD COLUMN adapter TEXT NOT NULL DEFAULT ''")
                 self._db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
             elif int(row[0]) != SCHEMA_VERSION:
                 raise RegistryError(f"registry schema {row[0]}; this code reads {SCHEMA_VERSION}")
@@ -357,8 +276,9 @@ class Registry:
 
     # -- contexts ------------------------------------------------------------------------------------
 
-    def create_context(self, app: str, system_prompt: str = "") -> str:
-        """Create an empty context owned by ``app``; returns its id (32 hex digits)."""
+    def create_context(self, app: str, system_prompt: str = "", adapter: str = "") -> str:
+        """Create an empty context owned by ``app``, computed under the LoRA adapter of key ``adapter``
+        ("" for the base model; it never changes); returns its id (32 hex digits)."""
         ctx = secrets.token_hex(16)
         now = self._clock()
         with self.transaction():
@@ -368,8 +288,8 @@ class Registry:
             if limit and self._q("SELECT COUNT(*) FROM contexts WHERE app=?",
                                  (app,)).fetchone()[0] >= limit:
                 raise ContextLimitError(f"app {app!r} already holds {limit} contexts")
-            self._q("INSERT INTO contexts VALUES (?, ?, ?, ?, '', ?, ?)",
-                    (ctx, app, system_prompt, b"", now, now))
+            self._q("INSERT INTO contexts VALUES (?, ?, ?, ?, '', ?, ?, ?)",
+                    (ctx, app, system_prompt, b"", now, now, adapter))
         return ctx
 
     def _ctx_row(self, ctx: str, app: str | None, cols: str) -> tuple:
@@ -381,8 +301,8 @@ class Registry:
     def get_context(self, ctx: str, app: str | None = None) -> ContextRecord:
         """The context ``ctx`` (and, when ``app`` is given, only if that app owns it)."""
         with self._lock:
-            row = self._ctx_row(ctx, app, "system_prompt, tokens, text, created, last_used")
-        return ContextRecord(ctx, row[0], row[1], _tokens(row[2]), row[3], row[4], row[5])
+            row = self._ctx_row(ctx, app, "system_prompt, tokens, text, created, last_used, adapter")
+        return ContextRecord(ctx, row[0], row[1], _tokens(row[2]), row[3], row[4], row[5], row[6])
 
     def list_contexts(self, app: str) -> list[ContextSummary]:
         """The app's contexts, oldest first."""
@@ -462,6 +382,30 @@ class Registry:
                 "SELECT file FROM chunks WHERE context=? AND file IS NOT NULL", (ctx,))]
             self._q("DELETE FROM contexts WHERE id=?", (ctx,))
         return files
+
+    # -- adapters ------------------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str, key: str) -> None:
+        """Record a loaded adapter (the node loads it again at start)."""
+        with self.transaction():
+            if self._q("SELECT 1 FROM adapters WHERE name=?", (name,)).fetchone() is not None:
+                raise AdapterExistsError(f"adapter {name!r} is already loaded")
+            self._q("INSERT INTO adapters VALUES (?, ?, ?, ?)", (name, path, key, self._clock()))
+
+    def adapters(self) -> list[AdapterRow]:
+        with self._lock:
+            return [AdapterRow(*r) for r in self._q("SELECT name, path, key, created FROM adapters ORDER BY name")]
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter; refused while a context is computed under it."""
+        with self.transaction():
+            row = self._q("SELECT key FROM adapters WHERE name=?", (name,)).fetchone()
+            if row is None:
+                raise UnknownAdapterError(f"no adapter named {name!r} is loaded")
+            n = self._q("SELECT COUNT(*) FROM contexts WHERE adapter=?", (row[0],)).fetchone()[0]
+            if n:
+                raise AdapterInUseError(f"adapter {name!r} is in use by {n} context(s); delete them first")
+            self._q("DELETE FROM adapters WHERE name=?", (name,))
 
     # -- chunks --------------------------------------------------------------------------------------
 

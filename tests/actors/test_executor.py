@@ -80,7 +80,7 @@ class FakeGovernor:
     saved: dict = field(default_factory=dict)
     refuse_cached: bool = False
 
-    def new_ctx(self, app, system_prompt, token_ids, text, state):
+    def new_ctx(self, app, system_prompt, token_ids, text, state, adapter=""):
         self.saved["c1"] = (list(token_ids), state)
         return "c1"
 
@@ -192,7 +192,7 @@ class GatedGovernor(FakeGovernor):
         self._planned: dict = {}
         self.n = 0
 
-    def new_ctx(self, app, system_prompt, token_ids, text, state):
+    def new_ctx(self, app, system_prompt, token_ids, text, state, adapter=""):
         self.n += 1
         self.saved[f"c{self.n}"] = (list(token_ids), state)
         return f"c{self.n}"

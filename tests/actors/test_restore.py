@@ -48,16 +48,16 @@ class Recorder:
         self.model, self.log, self.done = model, log, done
         self.cfg = model.cfg
 
-    def recompute_start(self, *a):
-        return self.model.recompute_start(*a)
+    def recompute_start(self, *a, **kw):
+        return self.model.recompute_start(*a, **kw)
 
     def recompute_layer(self, ws, job, layer):
         self.model.recompute_layer(ws, job, layer)
         self.log.append(("recompute", layer))
         self.done[layer].set()
 
-    def recompute(self, ws, ids, chunks):
-        self.model.recompute(ws, ids, chunks)
+    def recompute(self, ws, ids, chunks, adapter=None):
+        self.model.recompute(ws, ids, chunks, adapter=adapter)
         self.log.append(("recompute", -1))
 
 

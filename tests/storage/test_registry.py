@@ -370,25 +370,51 @@ def test_save_state_commits_tokens_and_state_together(tmp_path):
     assert again.load_state(ctx)[0] == '{"kv_tokens": 2}'
 
 
-def test_a_schema_1_registry_gains_the_pinned_flag(tmp_path, clock):
-    """A registry written before chunks could be pinned opens as schema 2, every chunk unpinned."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_registry_gains_the_pinned_flag_and_adapters(tmp_path, clock, version):
+    """A registry written before chunks could be pinned (schema 1) or contexts bound to adapters
+    (schema 2) opens as schema 3: every chunk unpinned, every context on the base model."""
     import storage.registry as registry
 
-    old = registry._SCHEMA.replace("    pinned INTEGER NOT NULL DEFAULT 0 CHECK (pinned IN (0, 1)),\n", "")
-    assert old != registry._SCHEMA
+    old = registry._SCHEMA.replace(",\n    adapter TEXT NOT NULL DEFAULT ''", "")
+    if version == 1:
+        old = old.replace("    pinned INTEGER NOT NULL DEFAULT 0 CHECK (pinned IN (0, 1)),\n", "")
+    assert old.count("pinned") == (0 if version == 1 else 2) and "DEFAULT ''" not in old
     path = tmp_path / "old.db"
     db = sqlite3.connect(str(path))
     db.executescript(old)
-    db.execute("INSERT INTO meta VALUES ('schema', '1')")
+    db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(version),))
     db.execute("INSERT INTO apps VALUES ('a', 'h', 1.0)")
+    db.execute("INSERT INTO contexts (id, app, system_prompt, tokens, text, created, last_used) "
+               "VALUES ('c0', 'a', '', x'', '', 1.0, 1.0)")
     db.commit()
     db.close()
     reg = Registry(str(path), clock=clock)
-    ctx = reg.create_context("a", "")
+    assert reg.get_context("c0").adapter == ""
+    ctx = reg.create_context("a", "", adapter="lora@abc")
     reg.upsert_chunks(ctx, [ChunkRow(0, "missing", "raw"), ChunkRow(1, "missing", "raw", pinned=True)])
     assert [c.pinned for c in reg.chunks(ctx)] == [False, True]
     reg.close()
-    reg = Registry(str(path), clock=clock)  # and it stays schema 2
-    assert [c.pinned for c in reg.chunks(ctx)] == [False, True]
-    assert reg._q("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "2"
+    reg = Registry(str(path), clock=clock)  # and it stays schema 3
+    assert [c.pinned for c in reg.chunks(ctx)] == [False, True] and reg.get_context(ctx).adapter == "lora@abc"
+    assert reg._q("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == "3"
     reg.close()
+
+
+def test_adapters_are_recorded_and_not_removed_while_a_context_uses_one(reg):
+    from storage.errors import AdapterExistsError, AdapterInUseError, UnknownAdapterError
+
+    reg.create_app("a")
+    reg.add_adapter("x", "x", "x@1")
+    with pytest.raises(AdapterExistsError):
+        reg.add_adapter("x", "y", "x@2")
+    ctx = reg.create_context("a", "", adapter="x@1")
+    with pytest.raises(AdapterInUseError) as e:
+        reg.remove_adapter("x")
+    assert e.value.code == "adapter_in_use"
+    assert [(r.name, r.path, r.key) for r in reg.adapters()] == [("x", "x", "x@1")]
+    reg.delete_context(ctx)
+    reg.remove_adapter("x")
+    assert reg.adapters() == []
+    with pytest.raises(UnknownAdapterError):
+        reg.remove_adapter("x")

@@ -1,0 +1,152 @@
+"""LoRA adapters in the one-process service (`wire_local`): loaded under the adapter root, recorded
+and loaded again after a restart, a context bound to one for its life, its K/V restored (from the
+pool, from disk, by recompute) under that adapter only, and refusals that change nothing.
+
+The adapters are written here for the default model's shapes (random A and B on q, v and down), so
+the replies of an adapted context differ from the base model's; the reference is the in-process
+engine (`ContextEngine`) with the same adapter, never constrained for memory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from actors.service import ServiceConfig, wire_local
+from engine.config import EngineConfig
+from engine.context import ContextEngine
+from engine.lora import AdapterError, AdapterSet, module_shapes
+from scheduler.pipeline import CostProfile
+
+PROFILE = CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json()
+SYSTEM = "You are a concise assistant."
+PROMPTS = ["Name three rivers.", "Which one is longest?", "Say it again in French."]
+
+
+def write_adapter(directory, cfg, seed: int, rank: int = 8, targets=("q_proj", "v_proj", "down_proj")):
+    """A PEFT-format adapter with random A and B (B is not zero: it changes the outputs)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(cfg)
+    tensors = {}
+    for layer in range(cfg.n_layers):
+        for m in targets:
+            out_f, in_f = shapes[m]
+            part = "mlp" if m == "down_proj" else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{m}"
+            tensors[key + ".lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f**0.5
+            tensors[key + ".lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.05
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none"}))
+
+
+@pytest.fixture(scope="module")
+def small_engine(engine):
+    return ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=512))
+
+
+@pytest.fixture(scope="module")
+def adapter_root(tmp_path_factory, engine):
+    root = tmp_path_factory.mktemp("adapter-root")
+    write_adapter(root / "tutor", engine.model.cfg, seed=1)
+    write_adapter(root / "poet", engine.model.cfg, seed=2, rank=4, targets=("k_proj", "o_proj", "up_proj"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(small_engine, adapter_root):
+    """Replies of three contexts (base, tutor, poet) run in the plain engine, in memory."""
+    loaded = AdapterSet(adapter_root, small_engine.model.cfg)
+    out = {}
+    for name in (None, "tutor", "poet"):
+        ctx = small_engine.new_ctx(SYSTEM, adapter=loaded.add(name, name) if name else None)
+        out[name] = [small_engine.call(ctx, p, max_tokens=8).token_ids for p in PROMPTS]
+        small_engine.delete_ctx(ctx)
+    return out
+
+
+def config(tmp_path, adapter_root, **kw):
+    return ServiceConfig(data_dir=str(tmp_path / "data"), adapter_root=str(adapter_root), max_context_tokens=512,
+                         profile=PROFILE, **kw)
+
+
+def test_adapted_contexts_answer_as_the_engine_does_under_memory_pressure_and_restarts(
+        small_engine, adapter_root, reference, tmp_path):
+    assert reference["tutor"] != reference[None] and reference["poet"] != reference[None]  # the adapters matter
+    # a pool of a few chunks and the kill policy: every switch recomputes, the rest comes from disk
+    svc = wire_local(config(tmp_path, adapter_root, policy="lmk", pool_bytes=1 << 20), engine=small_engine)
+    try:
+        info = svc.add_adapter("tutor", "tutor")
+        assert info["name"] == "tutor" and info["key"].startswith("tutor@") and info["rank"] == 8
+        svc.add_adapter("poet", "poet")
+        token = svc.bind("app")
+        ctxs = {name: svc.new_ctx(token, SYSTEM, adapter=name) for name in (None, "tutor", "poet")}
+        assert svc.describe(token, ctxs["tutor"])["adapter"] == "tutor"
+        for turn in range(2):
+            for name, ctx in ctxs.items():
+                got = svc.call(token, ctx, PROMPTS[turn], max_tokens=8)
+                assert got.token_ids == reference[name][turn], (name, turn)
+        assert svc.parts.governor.stats["killed_contexts"] + svc.parts.governor.stats["recomputed_chunks"] > 0
+        with pytest.raises(Exception) as e:
+            svc.remove_adapter("tutor")
+        assert getattr(e.value, "code", "") == "adapter_in_use"
+    finally:
+        svc.close()
+    # a restart loads the recorded adapters again; the contexts go on under theirs
+    svc = wire_local(config(tmp_path, adapter_root), engine=small_engine)
+    try:
+        assert [a["name"] for a in svc.list_adapters()] == ["poet", "tutor"]
+        for name, ctx in ctxs.items():
+            assert svc.call(token, ctx, PROMPTS[2], max_tokens=8).token_ids == reference[name][2], name
+        svc.delete_ctx(token, ctxs["poet"])
+        svc.remove_adapter("poet")
+        assert [a["name"] for a in svc.list_adapters()] == ["tutor"]
+    finally:
+        svc.close()
+
+
+def test_a_context_whose_adapter_files_changed_is_refused_not_mixed(small_engine, adapter_root, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(adapter_root / "tutor", root / "tutor")
+    svc = wire_local(config(tmp_path, root), engine=small_engine)
+    try:
+        svc.add_adapter("tutor", "tutor")
+        token = svc.bind("app")
+        ctx = svc.new_ctx(token, SYSTEM, adapter="tutor")
+        svc.call(token, ctx, PROMPTS[0], max_tokens=4)
+    finally:
+        svc.close()
+    write_adapter(root / "tutor", small_engine.model.cfg, seed=9)  # other weights under the same name
+    svc = wire_local(config(tmp_path, root), engine=small_engine)
+    try:
+        assert svc.list_adapters() == []  # not loaded: its files are not the recorded ones
+        with pytest.raises(AdapterError) as e:
+            svc.call(token, ctx, PROMPTS[1], max_tokens=4)
+        assert e.value.code == "adapter_unavailable"
+        assert svc.describe(token, ctx)["busy"] is False  # unlocked, nothing appended
+    finally:
+        svc.close()
+
+
+def test_refused_adapters_change_nothing(small_engine, adapter_root, tmp_path):
+    svc = wire_local(config(tmp_path, adapter_root), engine=small_engine)
+    try:
+        svc.add_adapter("tutor", "tutor")
+        token = svc.bind("app")
+        for name, path, code in (("x", "../../etc", "adapter_outside_root"), ("x", "nowhere", "adapter_not_found"),
+                                 ("tutor", "poet", "adapter_exists")):
+            with pytest.raises(Exception) as e:
+                svc.add_adapter(name, path)
+            assert getattr(e.value, "code", "") == code
+        assert [a["name"] for a in svc.list_adapters()] == ["tutor"]
+        with pytest.raises(AdapterError) as e:
+            svc.new_ctx(token, SYSTEM, adapter="nobody")
+        assert e.value.code == "unknown_adapter" and svc.list_ctx(token) == []
+    finally:
+        svc.close()
