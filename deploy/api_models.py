@@ -39,6 +39,15 @@ STATUS: dict[str, int] = {
     "internal": 500,
     "disk_full": 507,
     "disk_cap_exceeded": 507,
+    "model_not_found": 404,
+    "model_mismatch": 409,
+    "unknown_adapter": 404,
+    "adapter_not_found": 404,
+    "adapter_outside_root": 403,
+    "bad_adapter": 422,
+    "adapter_exists": 409,
+    "adapter_in_use": 409,
+    "adapter_unavailable": 409,
 }
 """HTTP status of every error code the API answers with."""
 
@@ -156,6 +165,15 @@ class BindBody(_Strict):
 
 class NewContextBody(_Strict):
     system_prompt: Text | None = None
+    adapter: Annotated[StrictStr, Field(max_length=64)] | None = None
+    """Name of a loaded LoRA adapter the context is computed under, for its life (None: the base model)."""
+
+
+class AdapterBody(_Strict):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    """What calls select it by (a context's `adapter`, the OpenAI `model`)."""
+    path: Annotated[StrictStr, Field(min_length=1, max_length=4096)]
+    """Its PEFT directory, relative to the server's adapter root (or absolute inside it)."""
 
 
 class CallBody(Sampling):

@@ -153,6 +153,26 @@ def cmd_contexts(args) -> int:
     return 0
 
 
+def cmd_adapters(args) -> int:
+    client = _remote(args)
+    if args.action == "list":
+        rows = client.adapters()
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        for a in rows if not args.json else ():
+            print(f"{a['name']}  rank {a['rank']}  {','.join(a['targets'])}  {a['path']}")
+        return 0
+    if not args.name or (args.action == "add" and not args.path):
+        raise SystemExit(f"llmaas: error: `adapters {args.action}` needs NAME" + (" and PATH" if args.action == "add" else ""))
+    if args.action == "add":
+        a = client.add_adapter(args.name, args.path)
+        print(f"loaded {a['name']} ({a['key']}, rank {a['rank']})", file=sys.stderr)
+    else:
+        client.remove_adapter(args.name)
+        print(f"removed {args.name}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args) -> int:
     from deploy.server import serve_forever
 
@@ -287,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
                    help="GGUF file or checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--weights", default=None, metavar="FORMAT", help=WEIGHTS_HELP)
+    s.add_argument("--adapter-root", default=None, metavar="DIR",
+                   help="folder LoRA adapters (PEFT directories) are loaded from; nothing outside it is read "
+                        "(default <data-dir>/adapters)")
     s.add_argument("--dashboard-port", type=int, default=8265, help="Ray dashboard / Jobs API port (default 8265)")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     s.add_argument("-v", "--verbose", action="store_true", help="Ray and actor logs on the console")
@@ -298,6 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--json", action="store_true", help="print JSON")
     _add_server_args(ct, required=True)
     ct.set_defaults(func=cmd_contexts)
+    ad = sub.add_parser("adapters", help="list, add or delete a server's LoRA adapters",
+                        description="LoRA adapters (PEFT format) on a running server. `add NAME PATH` loads the "
+                                    "directory PATH under the server's adapter root as NAME and `delete NAME` "
+                                    "unloads it (both with the admin token: --token \"$(cat DATA_DIR/admin_token)\"); "
+                                    "`list` takes an app's token too. A context made with an adapter "
+                                    "(POST /v1/contexts {\"adapter\": NAME}, or the OpenAI `model` field) is "
+                                    "computed under it for its life.")
+    ad.add_argument("action", choices=["list", "add", "delete"])
+    ad.add_argument("name", nargs="?", help="adapter name (add, delete)")
+    ad.add_argument("path", nargs="?", help="its directory under the adapter root (add)")
+    ad.add_argument("--json", action="store_true", help="print JSON (list)")
+    _add_server_args(ad, required=True)
+    ad.set_defaults(func=cmd_adapters)
     pr = sub.add_parser("profile", help="measure recompute and read costs for the restore planner, cache them",
                         description="Measure T_re (recompute x chunks) and T_io (read and decode m bytes of "
                                     "chunk files) on this machine and cache the fitted profile per machine, "

@@ -105,8 +105,11 @@ class Client:
     def unbind(self, app: str, admin_token: str | None = None) -> None:
         self._req("DELETE", f"/v1/apps/{requests.utils.quote(app, safe='')}", token=admin_token)
 
-    def new_ctx(self, system_prompt: str | None = None) -> str:
+    def new_ctx(self, system_prompt: str | None = None, adapter: str | None = None) -> str:
+        """A new context; `adapter`: a loaded LoRA adapter it is computed under, for its life."""
         body = {} if system_prompt is None else {"system_prompt": system_prompt}
+        if adapter is not None:
+            body["adapter"] = adapter
         return self._req("POST", "/v1/contexts", json=body).json()["id"]
 
     def call(self, ctx: str, prompt: str, **params) -> Reply:
@@ -119,6 +122,17 @@ class Client:
 
     def delete_ctx(self, ctx: str) -> None:
         self._req("DELETE", f"/v1/contexts/{ctx}")
+
+    # ---- LoRA adapters ------------------------------------------------------------------------------
+    def add_adapter(self, name: str, path: str, admin_token: str | None = None) -> dict:
+        """Load the PEFT adapter at `path` (under the server's adapter root) as `name` (admin token)."""
+        return self._req("POST", "/v1/adapters", token=admin_token, json={"name": name, "path": path}).json()
+
+    def adapters(self) -> list[dict]:
+        return self._req("GET", "/v1/adapters").json()["adapters"]
+
+    def remove_adapter(self, name: str, admin_token: str | None = None) -> None:
+        self._req("DELETE", f"/v1/adapters/{requests.utils.quote(name, safe='')}", token=admin_token)
 
     # ---- more ---------------------------------------------------------------------------------------
     def contexts(self) -> list[dict]:

@@ -16,18 +16,17 @@ see the route annotations as real types to parse bodies.)
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import time
 import uuid
 from dataclasses import asdict, fields
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,8 +37,9 @@ import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
 from deploy.api_docs import (ACTORS, APP, BODY, CALL, CALL_HEADERS, CONTEXT, SSE_CALL, SSE_CHAT, WRITES, responses,
                              without_default_422)
+from deploy.http_parts import BodyLimit, CountRequests, Limiter, outcome, sse_response
 from deploy.api_models import (
-    APIError, BindBody, CallBody, ChatCompletionBody, NewContextBody, check_app_name, check_context_id,
+    AdapterBody, APIError, BindBody, CallBody, ChatCompletionBody, NewContextBody, check_app_name, check_context_id,
     from_exception, reconcile, split_stateless,
 )
 
@@ -85,72 +85,6 @@ def _cause(e: BaseException) -> BaseException:
     return e
 
 
-class _Limiter:
-    """At most `ongoing` calls hold a slot and `queued` wait for one; the rest are turned away."""
-
-    def __init__(self, ongoing: int, queued: int) -> None:
-        self.sem = asyncio.Semaphore(max(1, ongoing))
-        self.queued, self.waiting = queued, 0
-
-    async def acquire(self, timeout_s: float) -> None:
-        if self.sem.locked() and self.waiting >= self.queued:
-            raise APIError("overloaded", f"{self.waiting} calls are already queued; retry later")
-        self.waiting += 1
-        try:
-            await asyncio.wait_for(self.sem.acquire(), timeout_s)
-        except TimeoutError:
-            raise APIError("timeout", "the call waited too long for the model") from None
-        finally:
-            self.waiting -= 1
-
-    def release(self) -> None:
-        self.sem.release()
-
-
-class _BodyLimit:
-    """ASGI middleware: bodies over `settings.RUNTIME["max_body_bytes"]` answer 413 before anything
-    parses them."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        limit = settings.RUNTIME["max_body_bytes"]
-        too_large = APIError("body_too_large", f"request body over {limit} bytes")
-        length = [v for k, v in scope.get("headers", []) if k == b"content-length"]
-        if length:
-            if not length[0].isdigit() or int(length[0]) > limit:
-                return await _send_error(send, too_large)
-            return await self.app(scope, receive, send)
-        # no length given (chunked): read the body here, up to the limit, then hand it on
-        msgs, seen = [], 0
-        while True:
-            msg = await receive()
-            msgs.append(msg)
-            if msg["type"] != "http.request":
-                break
-            seen += len(msg.get("body", b""))
-            if seen > limit:
-                return await _send_error(send, too_large)
-            if not msg.get("more_body"):
-                break
-
-        async def replay():
-            return msgs.pop(0) if msgs else await receive()
-
-        return await self.app(scope, replay, send)
-
-
-async def _send_error(send, err: APIError) -> None:
-    body = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers().items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
@@ -165,32 +99,8 @@ api = FastAPI(
 api.openapi = lambda: without_default_422(FastAPI.openapi(api))  # FastAPI caches the document; this is idempotent
 
 
-class _CountRequests:
-    """ASGI middleware (outermost): `llmaas_requests_total{route, code}`, route as its template."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        metrics = settings.RUNTIME["metrics"]
-        if scope["type"] != "http" or metrics is None:
-            return await self.app(scope, receive, send)
-        status = [500]
-
-        async def send_(msg):
-            if msg["type"] == "http.response.start":
-                status[0] = msg["status"]
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, send_)
-        finally:
-            route = scope.get("route")
-            metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
-
-
-api.add_middleware(_BodyLimit)
-api.add_middleware(_CountRequests)  # added last: outermost, so it also counts the body limit's 413s
+api.add_middleware(BodyLimit)
+api.add_middleware(CountRequests)  # added last: outermost, so it also counts the body limit's 413s
 
 
 @api.exception_handler(APIError)
@@ -241,53 +151,6 @@ def _bearer(request: Request) -> str:
     return token.strip()
 
 
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
-async def _chain(head: list, rest):
-    """`head`, then the rest of the call's events; the call's generator is closed in the end (its
-    limiter slot is released even when the consumer stops early)."""
-    try:
-        for x in head:
-            yield x
-        async for x in rest:
-            yield x
-    finally:
-        await rest.aclose()
-
-
-def _sse_response(head: list, events, on_delta, on_done, first: dict | None = None) -> StreamingResponse:
-    """A call's events as Server-Sent Events: `first`, each delta and the outcome rendered by the
-    callbacks, an error event if the call fails midway, then `[DONE]`."""
-    async def gen():
-        chain = _chain(head, events)
-        try:
-            if first is not None:
-                yield _sse(first)
-            async for item in chain:
-                yield _sse(on_done(item) if isinstance(item, dict) else on_delta(item))
-        except APIError as e:
-            yield _sse(e.body())
-        finally:
-            await chain.aclose()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(gen(), media_type="text/event-stream")
-
-
-async def _outcome(head: list, events) -> dict:
-    """Run a call to its end; its outcome."""
-    chain = _chain(head, events)
-    try:
-        async for item in chain:
-            if isinstance(item, dict):
-                return item
-    finally:
-        await chain.aclose()
-    raise APIError("internal", "the call ended without an outcome")
-
-
 def _usage(o: dict) -> dict:
     return {"prompt_tokens": o["prompt_tokens"], "completion_tokens": o["completion_tokens"],
             "total_tokens": o["prompt_tokens"] + o["completion_tokens"]}
@@ -329,12 +192,13 @@ class Ingress:
             m = Metrics()
             m.start("ingress", self.cfg.data_dir)
             settings.RUNTIME["metrics"] = m
-        self.limiter = _Limiter(self.server.max_ongoing_calls, self.server.max_queued_calls)
+        self.limiter = Limiter(self.server.max_ongoing_calls, self.server.max_queued_calls)
         # actors of this replica (a new replica makes new ones; the registry and files carry the state)
         self.svc = wire_ray(self.cfg, model_path=self.server.model or None,
                             prefix=f"llmaas-{uuid.uuid4().hex[:8]}")
         self.gov, self.executor = self.svc.parts.gov, self.svc.parts.executor  # actor handles
         self.model_id = self.svc.model_id
+        self._adapter_names: set[str] | None = None  # loaded adapters, as this replica last saw them
 
     def __del__(self) -> None:
         """Serve calls this when the replica shuts down (`serve shutdown`, a redeploy): the executor closes
@@ -354,6 +218,21 @@ class Ingress:
     def _is_admin(self, request: Request) -> None:
         if not hmac.compare_digest(_bearer(request).encode(), self.admin.encode()):
             raise APIError("unauthorized", "this route needs the admin token")
+
+    async def _adapters(self, refresh: bool = False) -> set[str]:
+        """Names of the loaded adapters (asked of the executor when unknown here or `refresh`)."""
+        if self._adapter_names is None or refresh:
+            self._adapter_names = {a["name"] for a in await self._do(self.executor.list_adapters)}
+        return self._adapter_names
+
+    async def _model_adapter(self, model: str) -> str | None:
+        """The LoRA adapter an OpenAI `model` names: None for the service's model ("" or its id), a
+        loaded adapter's name, else 404 `model_not_found`."""
+        if model in ("", self.model_id):
+            return None
+        if model in await self._adapters() or model in await self._adapters(refresh=True):
+            return model
+        raise APIError("model_not_found", f"no model {model!r}: GET /v1/models lists the base model and its adapters")
 
     async def _do(self, method, *args, **kwargs):
         """An actor call (retried while the actor restarts) whose errors become typed API errors."""
@@ -473,11 +352,12 @@ class Ingress:
 
     # ---- contexts -----------------------------------------------------------------------------------
     @api.post("/v1/contexts", status_code=201, tags=["contexts"],
-              responses=responses(*APP, *BODY, *ACTORS, *WRITES, "context_limit", "prompt_too_long"))
+              responses=responses(*APP, *BODY, *ACTORS, *WRITES, "context_limit", "prompt_too_long",
+                                   "unknown_adapter"))
     async def new_ctx(self, request: Request, body: NewContextBody | None = None):
         app = await self._app(request)
         system = body.system_prompt if body else None
-        ctx = await self._do(self.executor.new_ctx, app, system)
+        ctx = await self._do(self.executor.new_ctx, app, system, None, body.adapter if body else None)
         return await self._do(self.gov.describe, ctx, app)
 
     @api.get("/v1/contexts", tags=["contexts"], responses=responses(*APP, *ACTORS))
@@ -512,19 +392,50 @@ class Ingress:
                               params=dict(body.params(), request_id=_request_id(request)))
         head, events = await self._first(events)
         if body.stream:
-            return _sse_response(head, events, lambda d: {"delta": d},
+            return sse_response(head, events, lambda d: {"delta": d},
                                  lambda o: {"done": True, **_call_reply(o)})
-        return {"id": ctx, **_call_reply(await _outcome(head, events))}
+        return {"id": ctx, **_call_reply(await outcome(head, events))}
+
+    # ---- LoRA adapters ------------------------------------------------------------------------------
+    @api.post("/v1/adapters", status_code=201, tags=["adapters"], responses=responses(
+        *APP, *BODY, *ACTORS, *WRITES, "adapter_exists", "adapter_not_found", "adapter_outside_root", "bad_adapter"))
+    async def add_adapter(self, body: AdapterBody, request: Request):
+        """Load a LoRA adapter (PEFT format) from under the server's adapter root (admin). It is
+        loaded again at every start until deleted; a broken one is refused and changes nothing."""
+        self._is_admin(request)
+        info = await self._do(self.executor.add_adapter, body.name, body.path)
+        await self._adapters(refresh=True)
+        return info
+
+    @api.get("/v1/adapters", tags=["adapters"], responses=responses(*APP, *ACTORS))
+    async def list_adapters(self, request: Request):
+        """The loaded adapters (the admin token or an app's)."""
+        if not hmac.compare_digest(_bearer(request).encode(), self.admin.encode()):
+            await self._app(request)
+        return {"adapters": await self._do(self.executor.list_adapters)}
+
+    @api.delete("/v1/adapters/{name}", tags=["adapters"],
+                responses=responses(*APP, *ACTORS, *WRITES, "unknown_adapter", "adapter_in_use"))
+    async def delete_adapter(self, name: str, request: Request):
+        """Unload an adapter (admin); refused while a context is computed under it."""
+        self._is_admin(request)
+        await self._do(self.executor.remove_adapter, name)
+        await self._adapters(refresh=True)
+        return {"name": name, "deleted": True}
 
     # ---- OpenAI compatibility -----------------------------------------------------------------------
     @api.get("/v1/models", tags=["openai"], responses=responses(*APP, *ACTORS))
     async def models(self, request: Request):
+        """The base model and each loaded adapter (its `parent` the base), as `model` selects them."""
         await self._app(request)
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
-                                             "owned_by": "llmaas"}]}
+        base = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "llmaas"}
+        return {"object": "list", "data": [base] + [
+            {"id": name, "object": "model", "created": 0, "owned_by": "llmaas", "parent": self.model_id}
+            for name in sorted(await self._adapters(refresh=True))]}
 
     @api.post("/v1/chat/completions", tags=["openai"], openapi_extra=CALL_HEADERS, responses=responses(
-        *APP, *BODY, *CONTEXT, *ACTORS, *WRITES, *CALL, "conversation_conflict", stream=SSE_CHAT))
+        *APP, *BODY, *CONTEXT, *ACTORS, *WRITES, *CALL, "conversation_conflict", "model_not_found",
+        "model_mismatch", "adapter_unavailable", stream=SSE_CHAT))
     async def chat_completions(self, body: ChatCompletionBody, request: Request):
         app = await self._app(request)
         params = body.params()
@@ -533,27 +444,32 @@ class Ingress:
         if body.context_id is not None:
             ctx = check_context_id(body.context_id)
             info = await self._do(self.gov.describe, ctx, app)
+            if body.model not in ("", self.model_id) and body.model != info["adapter"]:
+                await self._model_adapter(body.model)  # 404 for a name that is no model at all
+                raise APIError("model_mismatch", f"the context is computed under "
+                               f"{info['adapter'] or self.model_id!r}, not {body.model!r}")
             prompt = reconcile(info["turns"], body.messages).prompt
             events = self._events(self._timeout(request), self.executor.stream, app, ctx, prompt,
                                   params=dict(params, request_id=_request_id(request)))
         else:  # stateless: the conversation so far is answered on no context, nothing is stored
             system, history, prompt = split_stateless(body.messages)
+            adapter = await self._model_adapter(body.model)
             events = self._events(self._timeout(request), self.executor.stream_stateless, system, history, prompt,
-                                  params=params)
+                                  params=dict(params, adapter=adapter) if adapter else params)
         head, events = await self._first(events)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "created": created, "model": self.model_id}
+        base = {"id": rid, "created": created, "model": body.model or self.model_id}
         if body.stream:
             def chunk(delta: dict, finish=None, **more) -> dict:
                 return {**base, "object": "chat.completion.chunk",
                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more}
 
-            return _sse_response(
+            return sse_response(
                 head, events, lambda d: chunk({"content": d}),
                 lambda o: chunk({}, o["finish_reason"], usage=_usage(o), context_id=body.context_id,
                                 switch_ms=o["switch_ms"]),
                 first=chunk({"role": "assistant", "content": ""}))
-        o = await _outcome(head, events)
+        o = await outcome(head, events)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},
                              "finish_reason": o["finish_reason"]}],

@@ -54,6 +54,8 @@ def options_from_args(args) -> dict:
         opts["model"] = args.model
     if getattr(args, "weights", None):
         opts["weights"] = args.weights
+    if getattr(args, "adapter_root", None):
+        opts["adapter_root"] = str(Path(args.adapter_root).expanduser().resolve())
     from engine.quant import WeightFormat
     from scheduler.policies import get_policy
 

@@ -55,6 +55,9 @@ class AdapterError(ValueError):
         super().__init__(message)
         self.code = code
 
+    def __reduce__(self):  # pickled whole (Ray hands it from actor to caller), code included
+        return (type(self), (self.code, str(self)))
+
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """PEFT module name -> (out, in) features of the base projection."""

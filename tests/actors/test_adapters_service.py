@@ -150,3 +150,26 @@ def test_refused_adapters_change_nothing(small_engine, adapter_root, tmp_path):
         assert e.value.code == "unknown_adapter" and svc.list_ctx(token) == []
     finally:
         svc.close()
+
+
+def test_on_ray_the_recompute_worker_recomputes_under_the_contexts_adapter(ray_cluster, adapter_root, reference,
+                                                                           tmp_path):
+    """The same on the actors: the kill policy makes every switch recompute in the recompute worker,
+    which loads the adapter the restore request names."""
+    from actors.ray_service import wire_ray
+
+    svc = wire_ray(config(tmp_path, adapter_root, policy="lmk", pool_bytes=1 << 20), prefix="t-lora")
+    try:
+        svc.add_adapter("tutor", "tutor")
+        svc.add_adapter("poet", "poet")
+        token = svc.bind("app")
+        ctxs = {name: svc.new_ctx(token, SYSTEM, adapter=name) for name in (None, "tutor", "poet")}
+        recomputed = 0
+        for turn in range(3):
+            for name, ctx in ctxs.items():
+                got = svc.call(token, ctx, PROMPTS[turn], max_tokens=8)
+                assert got.token_ids == reference[name][turn], (name, turn)
+                recomputed += got.restore.recomputed if name else 0
+        assert recomputed > 0
+    finally:
+        svc.close()

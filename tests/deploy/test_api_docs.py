@@ -15,12 +15,15 @@ ROUTES = {
     ("get", "/readyz"): {500, 503},
     ("post", "/v1/apps"): {401, 409, 500, 503, 507} | BODY,
     ("delete", "/v1/apps/{name}"): {401, 404, 409, 422, 500, 503, 507},
-    ("post", "/v1/contexts"): {401, 409, 500, 503, 507} | BODY,
+    ("post", "/v1/contexts"): {401, 404, 409, 500, 503, 507} | BODY,
     ("get", "/v1/contexts"): {401, 500, 503},
     ("get", "/v1/contexts/{ctx}"): {401, 404, 500, 503},
     ("delete", "/v1/contexts/{ctx}"): {401, 404, 409, 500, 503, 507},
     ("post", "/v1/contexts/{ctx}/calls"): CALL,
     ("get", "/v1/models"): {401, 500, 503},
+    ("post", "/v1/adapters"): {401, 403, 404, 409, 500, 503, 507} | BODY,
+    ("get", "/v1/adapters"): {401, 500, 503},
+    ("delete", "/v1/adapters/{name}"): {401, 404, 409, 500, 503, 507},
     ("post", "/v1/chat/completions"): CALL,
 }
 STREAMING = {("post", "/v1/contexts/{ctx}/calls"), ("post", "/v1/chat/completions")}
@@ -65,7 +68,7 @@ def test_the_error_body_schema(doc):
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_streaming_routes_answer_event_streams(doc, route):
     method, path = route
-    ok = doc["paths"][path][method]["responses"]["201" if path in ("/v1/apps", "/v1/contexts") and method == "post"
+    ok = doc["paths"][path][method]["responses"]["201" if path in ("/v1/apps", "/v1/contexts", "/v1/adapters") and method == "post"
                                                   else "200"]
     assert "application/json" in ok["content"]
     assert ("text/event-stream" in ok["content"]) == (route in STREAMING)

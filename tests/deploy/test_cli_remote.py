@@ -74,3 +74,19 @@ def test_serve_rejects_bad_options_before_starting_anything(tmp_path):
     assert not (tmp_path / "d").exists()  # nothing was created, no Ray was started
     r = llmaas("serve", "--help", timeout=60)
     assert r.returncode == 0 and "--kv-budget" in r.stdout and "127.0.0.1" in r.stdout
+
+
+def test_adapters_add_list_delete(server, app, engine):
+    from tests.actors.test_adapters_service import write_adapter
+
+    write_adapter(server.data_dir / "adapters" / "cli-lora", engine.model.cfg, seed=5, rank=4)
+    r = llmaas("adapters", "add", "cli-lora", "cli-lora", "--url", server.url, token=app.token)
+    assert r.returncode == 1 and "unauthorized" in r.stderr  # an app's token does not load adapters
+    r = llmaas("adapters", "add", "cli-lora", "cli-lora", "--url", server.url, token=server.admin)
+    assert r.returncode == 0 and "loaded cli-lora" in r.stderr, r.stderr
+    r = llmaas("adapters", "list", "--url", server.url, token=app.token)
+    assert r.returncode == 0 and r.stdout.startswith("cli-lora  rank 4"), r.stdout
+    r = llmaas("adapters", "delete", "cli-lora", "--url", server.url, token=server.admin)
+    assert r.returncode == 0
+    r = llmaas("adapters", "delete", "cli-lora", "--url", server.url, token=server.admin)
+    assert r.returncode == 1 and "unknown_adapter" in r.stderr and "Traceback" not in r.stderr

@@ -123,7 +123,8 @@ def test_a_call_closed_before_its_outcome_is_cancelled_at_the_actor(ray_cluster)
     import asyncio
     from types import SimpleNamespace
 
-    from deploy.serve_app import Ingress, _Limiter
+    from deploy.http_parts import Limiter
+    from deploy.serve_app import Ingress
 
     @ray.remote
     class Talker:
@@ -143,7 +144,7 @@ def test_a_call_closed_before_its_outcome_is_cancelled_at_the_actor(ray_cluster)
             return self.closed
 
     talker = Talker.remote()
-    ingress = SimpleNamespace(limiter=_Limiter(1, 1))
+    ingress = SimpleNamespace(limiter=Limiter(1, 1))
 
     async def leave_after_the_first_delta() -> str:
         events = Ingress.func_or_class._events(ingress, 60.0, talker.stream, params={})
