@@ -212,11 +212,13 @@ class ModelExecutor:
                 history: list[tuple[str, str]] | None = None, adapter: str | None = None) -> str:
         """Create a context; `history` seeds it with earlier (role, text) turns, `user` or `assistant`:
         their ids are prefilled with the next call. `adapter`: the name of a loaded LoRA adapter the
-        context is computed under, for its life."""
+        context is computed under, for its life ("" for the base model; None: the app's default)."""
         tok = self.engine.tok
         turns, ids = self._seed(system_prompt, history)
         state = {"system_prompt": system_prompt, "turns": [{"role": t.role, "text": t.text} for t in turns] if history else [],
                  "kv_tokens": 0, "overflows": 0}
+        if adapter is None:
+            adapter = self.gov.app_adapter(app)
         with self._adapters_lock:
             key = self.adapters.get(adapter).key if adapter else ""
             return self.gov.new_ctx(app, system_prompt or "", np.asarray(ids, dtype=np.int64), tok.decode(ids),
@@ -571,4 +573,5 @@ class ModelExecutor:
 
 def adapter_info(a: Adapter) -> dict:
     """What `GET /v1/adapters` shows of a loaded adapter."""
-    return {"name": a.name, "path": a.path, "key": a.key, "rank": a.rank, "targets": list(a.targets)}
+    return {"name": a.name, "path": a.path, "key": a.key, "rank": a.rank, "targets": list(a.targets),
+            "nbytes": a.nbytes()}

@@ -143,8 +143,11 @@ class MemoryGovernor:
         return in_flight
 
     # ---- apps (the registry's, on behalf of the front) ----------------------------------------------
-    def bind_app(self, app: str) -> str:
-        return self.registry.create_app(app)
+    def bind_app(self, app: str, adapter: str = "") -> str:
+        return self.registry.create_app(app, adapter)
+
+    def app_adapter(self, app: str) -> str:
+        return self.registry.app_adapter(app)
 
     def app_for_token(self, token: str) -> str:
         return self.registry.app_for_token(token)
@@ -155,16 +158,14 @@ class MemoryGovernor:
     def delete_app(self, app: str) -> None:
         self.registry.delete_app(app)
 
-    # ---- adapters (the registry's record of what the node loads) -----------------------------------
+    # ---- adapters: the registry's record of what the node loads (`GovernorPort` says what each does)
     def adapters(self) -> list:
-        """The adapters the node loads (`storage.records.AdapterRow`s)."""
         return self.registry.adapters()
 
     def add_adapter(self, name: str, path: str, key: str) -> None:
         self.registry.add_adapter(name, path, key)
 
     def remove_adapter(self, name: str) -> None:
-        """Forget an adapter (`AdapterInUseError` while a context is computed under it)."""
         self.registry.remove_adapter(name)
 
     # ---- contexts ---------------------------------------------------------------------------------

@@ -29,8 +29,12 @@ class GovernorPort(Protocol):
     """The memory governor: owner of the apps, the contexts' books, the pool, locks and plans."""
 
     # ---- apps and contexts (the registry it owns)
-    def bind_app(self, app: str) -> str:
-        """Register an app; returns its token (shown once, stored hashed)."""
+    def bind_app(self, app: str, adapter: str = "") -> str:
+        """Register an app whose contexts default to the loaded LoRA adapter named `adapter` ("" for
+        the base model); returns its token (shown once, stored hashed)."""
+
+    def app_adapter(self, app: str) -> str:
+        """The adapter an app's contexts default to ("" for the base model)."""
 
     def app_for_token(self, token: str) -> str:
         """The app a bearer token belongs to (`UnknownAppError` otherwise)."""

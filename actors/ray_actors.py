@@ -167,9 +167,13 @@ class GovernorActor(Health):
             self._changed.set()
 
     # ---- GovernorPort ------------------------------------------------------------------------------
-    def bind_app(self, app: str) -> str:
+    def bind_app(self, app: str, adapter: str = "") -> str:
         with self._books() as g:
-            return g.bind_app(app)
+            return g.bind_app(app, adapter)
+
+    def app_adapter(self, app: str) -> str:
+        with self._lock:
+            return self.gov.app_adapter(app)
 
     def app_for_token(self, token: str) -> str:
         with self._lock:  # reads nothing the gauges show

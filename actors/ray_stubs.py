@@ -144,8 +144,11 @@ class GovernorStub:
         self.handle = handle
         self.refs = refs
 
-    def bind_app(self, app: str) -> str:
-        return retry.call(self.handle.bind_app, app)
+    def bind_app(self, app: str, adapter: str = "") -> str:
+        return retry.call(self.handle.bind_app, app, adapter)
+
+    def app_adapter(self, app: str) -> str:
+        return retry.call(self.handle.app_adapter, app)
 
     def app_for_token(self, token: str) -> str:
         return retry.call(self.handle.app_for_token, token)

@@ -102,9 +102,10 @@ class ContextService:
         self._executor_down = False  # the last call saw the executor stop: wait for it before the next one
 
     # ---- apps
-    def bind(self, app: str) -> str:
-        """Register an app; returns its token (shown once, stored hashed)."""
-        return self.governor.bind_app(app)
+    def bind(self, app: str, adapter: str = "") -> str:
+        """Register an app whose contexts default to the loaded LoRA adapter `adapter` ("" for the
+        base model); returns its token (shown once, stored hashed)."""
+        return self.governor.bind_app(app, adapter)
 
     def app_of(self, token: str) -> str:
         return self.governor.app_for_token(token)
@@ -112,8 +113,8 @@ class ContextService:
     # ---- contexts
     def new_ctx(self, token: str, system_prompt: str | None = None, history: list | None = None,
                 adapter: str | None = None) -> str:
-        """A context of the token's app, computed under the loaded LoRA adapter `adapter` (None: the
-        base model) for its life."""
+        """A context of the token's app, computed under the loaded LoRA adapter `adapter` for its life
+        ("" for the base model; None: the app's default)."""
         return self.executor.new_ctx(self.app_of(token), system_prompt, history, adapter)
 
     def list_ctx(self, token: str) -> list:

@@ -4,7 +4,9 @@
   llama.cpp and the engine run the same weights in the same quantization;
 - a random model of a pinned shape (by default Llama-3.2-1B's dimensions with SmolLM2's vocabulary)
   as a Hugging Face checkpoint directory (safetensors, SmolLM2's tokenizer files) and as GGUFs of
-  the same values. Speed does not depend on the values; the files let every system load the shape.
+  the same values. Speed does not depend on the values; the files let every system load the shape;
+- random LoRA adapters in the PEFT format for a model's shapes (`random_adapter`), for the adapter
+  benchmark and tests.
 
     python -m bench.model_files requantize Q4_0 OUT.gguf
     python -m bench.model_files random OUT_DIR [--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --mlp 8192]
@@ -157,6 +159,32 @@ def random_model(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: i
             add(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"])
         _finish(writer)
     return out
+
+
+def random_adapter(directory: Path, cfg, seed: int, rank: int = 8,
+                   targets=("q_proj", "v_proj", "down_proj")) -> Path:
+    """A PEFT-format LoRA adapter for a model of `cfg` (engine.config.ModelConfig) with random A and B
+    (B is not zero, so it changes the outputs), alpha = 2 rank."""
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.lora import module_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(cfg)
+    tensors = {}
+    for layer in range(cfg.n_layers):
+        for m in targets:
+            out_f, in_f = shapes[m]
+            part = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{m}"
+            tensors[key + ".lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f**0.5
+            tensors[key + ".lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.05
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none"}))
+    return directory
 
 
 def main(argv=None) -> int:

@@ -161,12 +161,15 @@ class Sampling(_Strict):
 
 class BindBody(_Strict):
     name: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    adapter: Annotated[StrictStr, Field(max_length=64)] = ""
+    """A loaded LoRA adapter the app's contexts are computed under unless they name another."""
 
 
 class NewContextBody(_Strict):
     system_prompt: Text | None = None
     adapter: Annotated[StrictStr, Field(max_length=64)] | None = None
-    """Name of a loaded LoRA adapter the context is computed under, for its life (None: the base model)."""
+    """Name of a loaded LoRA adapter the context is computed under, for its life ("" for the base
+    model; left out, the app's default)."""
 
 
 class AdapterBody(_Strict):

@@ -98,9 +98,11 @@ class Client:
         return r
 
     # ---- LLMS Table 1 -------------------------------------------------------------------------------
-    def bind(self, app: str, admin_token: str | None = None) -> str:
-        """Register an app (admin token); returns the app's token."""
-        return self._req("POST", "/v1/apps", token=admin_token, json={"name": app}).json()["token"]
+    def bind(self, app: str, admin_token: str | None = None, adapter: str = "") -> str:
+        """Register an app (admin token); returns the app's token. `adapter`: a loaded LoRA adapter
+        the app's contexts are computed under unless they name another."""
+        body = {"name": app, **({"adapter": adapter} if adapter else {})}
+        return self._req("POST", "/v1/apps", token=admin_token, json=body).json()["token"]
 
     def unbind(self, app: str, admin_token: str | None = None) -> None:
         self._req("DELETE", f"/v1/apps/{requests.utils.quote(app, safe='')}", token=admin_token)

@@ -327,12 +327,12 @@ class Ingress:
 
     # ---- apps (admin) -------------------------------------------------------------------------------
     @api.post("/v1/apps", status_code=201, tags=["apps"],
-              responses=responses(*APP, *BODY, *ACTORS, *WRITES, "app_exists"))
+              responses=responses(*APP, *BODY, *ACTORS, *WRITES, "app_exists", "unknown_adapter"))
     async def bind(self, body: BindBody, request: Request):
         self._is_admin(request)
         name = check_app_name(body.name)
-        token = await self._do(self.gov.bind_app, name)
-        return {"name": name, "token": token}
+        token = await self._do(self.gov.bind_app, name, body.adapter)
+        return {"name": name, "token": token, "adapter": body.adapter or None}
 
     @api.delete("/v1/apps/{name}", tags=["apps"],
                 responses=responses(*APP, *ACTORS, *WRITES, "not_found", "invalid_request", "context_busy"))

@@ -15,7 +15,8 @@ so the next one works as soon as there is room again.
 
 Tables::
 
-    apps      name PK, token_sha256 UNIQUE (the token itself is never stored), created
+    apps      name PK, token_sha256 UNIQUE (the token itself is never stored), created, adapter
+              (the LoRA adapter its contexts default to)
     contexts  id PK (server-made opaque hex), app -> apps, system_prompt, tokens (int32 LE blob),
               text, created, last_used, adapter (key of the LoRA adapter it is computed under)
     adapters  name PK, path (under the adapter root), key (name@digest), created
@@ -58,7 +59,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS apps (
     name TEXT PRIMARY KEY,
     token_sha256 TEXT NOT NULL UNIQUE,
-    created REAL NOT NULL);
+    created REAL NOT NULL,
+    adapter TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS contexts (
     id TEXT PRIMARY KEY,
     app TEXT NOT NULL REFERENCES apps(name) ON DELETE CASCADE,
@@ -170,7 +172,8 @@ class Registry:
                 if int(row[0]) == 1:  # schema 1 had no pinned-exact flag: every chunk unpinned
                     self._db.execute("ALTER TABLE chunks ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0 "
                                      "CHECK (pinned IN (0, 1))")
-                # schema 2 had no adapters: every context on the base model
+                # schema 2 had no adapters: every app and context on the base model
+                self._db.execute("ALTER TABLE apps ADD COLUMN adapter TEXT NOT NULL DEFAULT ''")
                 self._db.execute("ALTER TABLE contexts ADD COLUMN adapter TEXT NOT NULL DEFAULT ''")
                 self._db.execute("UPDATE meta SET value=? WHERE key='schema'", (str(SCHEMA_VERSION),))
             elif int(row[0]) != SCHEMA_VERSION:
@@ -238,17 +241,29 @@ class Registry:
     def _hash(token: str) -> str:
         return hashlib.sha256(token.encode()).hexdigest()
 
-    def create_app(self, name: str) -> str:
-        """Register an app and return its bearer token (only its sha256 is stored)."""
+    def create_app(self, name: str, adapter: str = "") -> str:
+        """Register an app and return its bearer token (only its sha256 is stored). `adapter`: the
+        name of a recorded LoRA adapter the app's contexts are computed under unless they name
+        another ("" for the base model)."""
         if not isinstance(name, str) or not 1 <= len(name) <= 128 or not name.isprintable():
             raise InvalidKeyError("app name must be 1-128 printable characters")
         token = new_token()
         with self.transaction():
+            if adapter and self._q("SELECT 1 FROM adapters WHERE name=?", (adapter,)).fetchone() is None:
+                raise UnknownAdapterError(f"no adapter named {adapter!r} is loaded")
             try:
-                self._q("INSERT INTO apps VALUES (?, ?, ?)", (name, self._hash(token), self._clock()))
+                self._q("INSERT INTO apps VALUES (?, ?, ?, ?)", (name, self._hash(token), self._clock(), adapter))
             except sqlite3.IntegrityError:
                 raise AppExistsError(f"app {name!r} exists") from None
         return token
+
+    def app_adapter(self, name: str) -> str:
+        """The adapter an app's contexts default to ("" for the base model)."""
+        with self._lock:
+            row = self._q("SELECT adapter FROM apps WHERE name=?", (name,)).fetchone()
+        if row is None:
+            raise UnknownAppError(f"no app {name!r}")
+        return row[0]
 
     def app_for_token(self, token: str) -> str:
         """The name of the app holding ``token``; UnknownAppError otherwise."""
@@ -405,6 +420,9 @@ class Registry:
             n = self._q("SELECT COUNT(*) FROM contexts WHERE adapter=?", (row[0],)).fetchone()[0]
             if n:
                 raise AdapterInUseError(f"adapter {name!r} is in use by {n} context(s); delete them first")
+            apps = [r[0] for r in self._q("SELECT name FROM apps WHERE adapter=?", (name,))]
+            if apps:
+                raise AdapterInUseError(f"adapter {name!r} is the default of app(s) {apps}; delete them first")
             self._q("DELETE FROM adapters WHERE name=?", (name,))
 
     # -- chunks --------------------------------------------------------------------------------------

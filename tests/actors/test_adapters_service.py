@@ -9,41 +9,20 @@ engine (`ContextEngine`) with the same adapter, never constrained for memory.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
-import torch
 
 from actors.service import ServiceConfig, wire_local
 from engine.config import EngineConfig
 from engine.context import ContextEngine
-from engine.lora import AdapterError, AdapterSet, module_shapes
+from bench.model_files import random_adapter
+from engine.lora import AdapterError, AdapterSet
 from scheduler.pipeline import CostProfile
 
 PROFILE = CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json()
 SYSTEM = "You are a concise assistant."
 PROMPTS = ["Name three rivers.", "Which one is longest?", "Say it again in French."]
-
-
-def write_adapter(directory, cfg, seed: int, rank: int = 8, targets=("q_proj", "v_proj", "down_proj")):
-    """A PEFT-format adapter with random A and B (B is not zero: it changes the outputs)."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(cfg)
-    tensors = {}
-    for layer in range(cfg.n_layers):
-        for m in targets:
-            out_f, in_f = shapes[m]
-            part = "mlp" if m == "down_proj" else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{part}.{m}"
-            tensors[key + ".lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f**0.5
-            tensors[key + ".lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.05
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none"}))
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +33,8 @@ def small_engine(engine):
 @pytest.fixture(scope="module")
 def adapter_root(tmp_path_factory, engine):
     root = tmp_path_factory.mktemp("adapter-root")
-    write_adapter(root / "tutor", engine.model.cfg, seed=1)
-    write_adapter(root / "poet", engine.model.cfg, seed=2, rank=4, targets=("k_proj", "o_proj", "up_proj"))
+    random_adapter(root / "tutor", engine.model.cfg, seed=1)
+    random_adapter(root / "poet", engine.model.cfg, seed=2, rank=4, targets=("k_proj", "o_proj", "up_proj"))
     return root
 
 
@@ -122,7 +101,7 @@ def test_a_context_whose_adapter_files_changed_is_refused_not_mixed(small_engine
         svc.call(token, ctx, PROMPTS[0], max_tokens=4)
     finally:
         svc.close()
-    write_adapter(root / "tutor", small_engine.model.cfg, seed=9)  # other weights under the same name
+    random_adapter(root / "tutor", small_engine.model.cfg, seed=9)  # other weights under the same name
     svc = wire_local(config(tmp_path, root), engine=small_engine)
     try:
         assert svc.list_adapters() == []  # not loaded: its files are not the recorded ones
@@ -148,6 +127,17 @@ def test_refused_adapters_change_nothing(small_engine, adapter_root, tmp_path):
         with pytest.raises(AdapterError) as e:
             svc.new_ctx(token, SYSTEM, adapter="nobody")
         assert e.value.code == "unknown_adapter" and svc.list_ctx(token) == []
+        # an app bound to an adapter: its contexts are computed under it unless they name another
+        with pytest.raises(Exception) as e:
+            svc.bind("tutored", adapter="poet")  # not loaded
+        assert getattr(e.value, "code", "") == "unknown_adapter"
+        tutored = svc.bind("tutored", adapter="tutor")
+        adapted, plain = svc.new_ctx(tutored, SYSTEM), svc.new_ctx(tutored, SYSTEM, adapter="")
+        assert (svc.describe(tutored, adapted)["adapter"], svc.describe(tutored, plain)["adapter"]) == ("tutor", None)
+        svc.delete_ctx(tutored, adapted)
+        with pytest.raises(Exception) as e:
+            svc.remove_adapter("tutor")  # still the app's default
+        assert getattr(e.value, "code", "") == "adapter_in_use"
     finally:
         svc.close()
 

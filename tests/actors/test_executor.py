@@ -80,6 +80,9 @@ class FakeGovernor:
     saved: dict = field(default_factory=dict)
     refuse_cached: bool = False
 
+    def app_adapter(self, app):
+        return ""
+
     def new_ctx(self, app, system_prompt, token_ids, text, state, adapter=""):
         self.saved["c1"] = (list(token_ids), state)
         return "c1"
@@ -191,6 +194,9 @@ class GatedGovernor(FakeGovernor):
         self.gate, self.admitting, self.pending, self.early = threading.Event(), threading.Event(), set(), []
         self._planned: dict = {}
         self.n = 0
+
+    def app_adapter(self, app):
+        return ""
 
     def new_ctx(self, app, system_prompt, token_ids, text, state, adapter=""):
         self.n += 1

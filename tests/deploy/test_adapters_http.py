@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from deploy.client import Client
 from engine.lora import AdapterSet
-from tests.actors.test_adapters_service import write_adapter
+from bench.model_files import random_adapter
 
 SYSTEM = "You are terse."
 
@@ -25,8 +25,8 @@ SYSTEM = "You are terse."
 @pytest.fixture(scope="module")
 def root(server, engine):
     r = server.data_dir / "adapters"
-    write_adapter(r / "tutor", engine.model.cfg, seed=1)
-    write_adapter(r / "nan", engine.model.cfg, seed=3)
+    random_adapter(r / "tutor", engine.model.cfg, seed=1)
+    random_adapter(r / "nan", engine.model.cfg, seed=3)
     f = r / "nan" / "adapter_model.safetensors"
     t = load_file(str(f))
     next(iter(t.values())).view(-1)[0] = math.nan
@@ -105,9 +105,18 @@ def test_adapters_are_loaded_listed_selected_and_removed(server, root, token, en
     assert _err(requests.post(f"{url}/v1/chat/completions", headers=_h(token), json={
         "model": "tutor", "messages": turn, "max_tokens": 2, "context_id": plain})) == (409, "model_mismatch")
 
-    # removal waits until no context is computed under it
+    # an app bound to the adapter: its contexts default to it
+    admin_client = Client(url, server.admin)
+    assert _err(requests.post(f"{url}/v1/apps", json={"name": "tutored", "adapter": "nope"}, headers=admin)) \
+        == (404, "unknown_adapter")
+    tutored = admin_client.bind("tutored", adapter="tutor")
+    assert Client(url, tutored).context(Client(url, tutored).new_ctx(SYSTEM))["adapter"] == "tutor"
+
+    # removal waits until no context or app is computed under it
     assert _err(requests.delete(f"{url}/v1/adapters/tutor", headers=admin)) == (409, "adapter_in_use")
     assert requests.delete(f"{url}/v1/contexts/{cid}", headers=_h(token)).status_code == 200
+    assert _err(requests.delete(f"{url}/v1/adapters/tutor", headers=admin)) == (409, "adapter_in_use")  # the app's
+    admin_client.unbind("tutored")
     assert requests.delete(f"{url}/v1/adapters/tutor", headers=admin).json() == {"name": "tutor", "deleted": True}
     assert _err(requests.delete(f"{url}/v1/adapters/tutor", headers=admin)) == (404, "unknown_adapter")
     assert [m["id"] for m in requests.get(f"{url}/v1/models", headers=_h(token)).json()["data"]] == [base]

@@ -77,9 +77,9 @@ def test_serve_rejects_bad_options_before_starting_anything(tmp_path):
 
 
 def test_adapters_add_list_delete(server, app, engine):
-    from tests.actors.test_adapters_service import write_adapter
+    from bench.model_files import random_adapter
 
-    write_adapter(server.data_dir / "adapters" / "cli-lora", engine.model.cfg, seed=5, rank=4)
+    random_adapter(server.data_dir / "adapters" / "cli-lora", engine.model.cfg, seed=5, rank=4)
     r = llmaas("adapters", "add", "cli-lora", "cli-lora", "--url", server.url, token=app.token)
     assert r.returncode == 1 and "unauthorized" in r.stderr  # an app's token does not load adapters
     r = llmaas("adapters", "add", "cli-lora", "cli-lora", "--url", server.url, token=server.admin)

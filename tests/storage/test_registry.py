@@ -80,9 +80,9 @@ def test_apps_store_only_the_token_hash(tmp_path, reg, clock):
     assert reg.app_for_token(token) == "notes"
     # a fixed prefix, so a token never starts with '-' (CLI flags) and is recognisable; 256 random bits
     assert token.startswith("llmaas_") and len(token) == len("llmaas_") + 43
-    (name, stored, created), = rows(tmp_path / "reg.db")["apps"]
+    (name, stored, created, adapter), = rows(tmp_path / "reg.db")["apps"]
     assert stored == hashlib.sha256(token.encode()).hexdigest() and token not in stored
-    assert created == 1001.0
+    assert created == 1001.0 and adapter == ""
     with open(tmp_path / "reg.db", "rb") as f:
         raw = f.read()
     for wal in ("reg.db-wal",):
@@ -390,7 +390,7 @@ def test_an_older_registry_gains_the_pinned_flag_and_adapters(tmp_path, clock, v
     db.commit()
     db.close()
     reg = Registry(str(path), clock=clock)
-    assert reg.get_context("c0").adapter == ""
+    assert reg.get_context("c0").adapter == "" and reg.app_adapter("a") == ""
     ctx = reg.create_context("a", "", adapter="lora@abc")
     reg.upsert_chunks(ctx, [ChunkRow(0, "missing", "raw"), ChunkRow(1, "missing", "raw", pinned=True)])
     assert [c.pinned for c in reg.chunks(ctx)] == [False, True]
@@ -405,15 +405,22 @@ def test_adapters_are_recorded_and_not_removed_while_a_context_uses_one(reg):
     from storage.errors import AdapterExistsError, AdapterInUseError, UnknownAdapterError
 
     reg.create_app("a")
+    with pytest.raises(UnknownAdapterError):
+        reg.create_app("b", adapter="x")  # not loaded
     reg.add_adapter("x", "x", "x@1")
     with pytest.raises(AdapterExistsError):
         reg.add_adapter("x", "y", "x@2")
+    reg.create_app("b", adapter="x")
+    assert (reg.app_adapter("a"), reg.app_adapter("b")) == ("", "x")
     ctx = reg.create_context("a", "", adapter="x@1")
-    with pytest.raises(AdapterInUseError) as e:
-        reg.remove_adapter("x")
-    assert e.value.code == "adapter_in_use"
+    for holder in ("a context", "an app"):
+        with pytest.raises(AdapterInUseError) as e:
+            reg.remove_adapter("x")
+        assert e.value.code == "adapter_in_use", holder
+        if holder == "a context":
+            reg.delete_context(ctx)
     assert [(r.name, r.path, r.key) for r in reg.adapters()] == [("x", "x", "x@1")]
-    reg.delete_context(ctx)
+    reg.delete_app("b")
     reg.remove_adapter("x")
     assert reg.adapters() == []
     with pytest.raises(UnknownAdapterError):
