@@ -64,7 +64,7 @@ def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: st
 
     return Components(
         engine=EngineConfig(max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
-                            device=device, weights=config.weights),
+                            device=device, weights=config.weights, copy_weights=False),  # one mapped copy a node
         registry=RegistryConfig(max_contexts_per_app=config.max_contexts_per_app, chunk_tokens=config.chunk_tokens),
         store=ChunkStoreConfig(disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
                                read_burst_bytes=config.read_burst_bytes),

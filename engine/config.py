@@ -140,6 +140,13 @@ class EngineConfig:
     native_attention: bool = True
     """Prefill attention (with density) in the compiled kernel of `engine/attention.c` on CPU float32
     when it builds here; False keeps the torch blockwise kernel (the reference in tests)."""
+    copy_weights: bool = True
+    """On the CPU, quantized weights (int4, int8 layers and LM head) are copied out of the mapped
+    cache file into this process's memory at load: int4 decode at the 1.2B shape ran 1.17-1.27x
+    faster from the copy on this project's VM (docs/benchmarks.md, "Tuning at the edge"; why mapped
+    pages read slower there was not established; the default model's decode did not change). False
+    keeps them mapped, one copy in the page cache shared by every process on the node (the service's
+    choice: `actors.service.components`). Float weights and an untied embedding table stay mapped."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:

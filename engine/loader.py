@@ -250,6 +250,21 @@ def fused_weights(directory: Path, fingerprint: str, fuse) -> dict[str, np.ndarr
     return read_safetensors(target.parent, only=target.name)
 
 
+def copy_out(a: np.ndarray) -> np.ndarray:
+    """A private copy of a mapped array, its pages then dropped from this process's resident set
+    (`madvise(MADV_DONTNEED)` on the whole pages inside it: they stay in the page cache for other
+    processes, and a later read of a neighbour refaults them)."""
+    out = np.array(a)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = -(-a.ctypes.data // page) * page, (a.ctypes.data + a.nbytes) // page * page
+    if isinstance(a, np.memmap) and end > start and sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+    return out
+
+
 def publish(tmp: Path, target: Path) -> None:
     """Rename a written (and fsynced) temporary file into place and make the rename durable."""
     os.rename(tmp, target)

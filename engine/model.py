@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
+from engine.loader import copy_out
 from engine.lora import Adapter
 from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
 from engine.quant import WeightFormat
@@ -108,12 +109,14 @@ class RecomputeJob:
 
 
 def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
-                 fmt: WeightFormat | None = None, *, int8_activations: bool = True) -> Weights:
+                 fmt: WeightFormat | None = None, *, int8_activations: bool = True, copy: bool = False) -> Weights:
     """Build engine weights from engine-layout arrays (float ones from `fuse_hf`, or a weight format's
     from engine.weightcache). On the CPU nothing already in its compute type is copied: the tensors
     view the arrays (a read-only mmap shares its pages with every process on the node). bf16 weights
-    stay bf16 under a float32 compute dtype; the embedding table stays in its stored type."""
+    stay bf16 under a float32 compute dtype; the embedding table stays in its stored type. `copy`:
+    quantized (int4, int8) weights are copied into this process's memory (`EngineConfig.copy_weights`)."""
     fmt = fmt or WeightFormat()
+    own = (lambda a: torch.from_numpy(copy_out(a))) if copy else (lambda a: a)
 
     def stored(name: str) -> torch.Tensor | None:
         a = arrays.get(name)
@@ -131,11 +134,11 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
     def linear(name: str, bias: str | None = None) -> Linear:
         b = get(bias) if bias else None
         if name + ".min" in arrays:
-            return Int4Linear(arrays[name + ".q"], arrays[name + ".scale"], arrays[name + ".min"], fmt.group,
+            return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), own(arrays[name + ".min"]), fmt.group,
                               bias=b, device=device, int8_activations=int8_activations,
                               device_pack=dtype == torch.bfloat16)
         if name + ".q" in arrays:
-            return Int8Linear(arrays[name + ".q"], arrays[name + ".scale"], bias=b, device=device)
+            return Int8Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), bias=b, device=device)
         w = stored(name)
         if w is None:
             raise KeyError(f"weights lack {name!r}")
@@ -251,7 +254,8 @@ class Transformer:
         from engine.weightcache import engine_arrays
 
         cfg, arrays = engine_arrays(directory, fingerprint, fmt, progress=progress)
-        weights = load_weights(arrays, cfg, device, dtype, fmt, int8_activations=engine_cfg.int8_activations)
+        weights = load_weights(arrays, cfg, device, dtype, fmt, int8_activations=engine_cfg.int8_activations,
+                               copy=engine_cfg.copy_weights and device.type == "cpu")
         model = cls(cfg, weights, engine_cfg)
         model.fingerprint = fingerprint or ""
         return model

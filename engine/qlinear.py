@@ -6,8 +6,9 @@ is given its stored arrays (memory-mapped where the loader mapped them) and comp
 - float (fp32, bf16): `F.linear` on the weight tensor (bf16 weights under a float32 compute dtype: the
   rows are cast to bfloat16 for the product, whose result comes back as float32).
 - int4, int8, on the CPU with float32 rows: up to `qm_max_rows()` rows (decode, short turns) run in
-  the compiled products of `engine/qmatmul.c`, which read the stored values where they are mapped (no
-  repacked copy: processes on a node share one copy); int4 products quantize their rows to int8 per
+  the compiled products of `engine/qmatmul.c`, which read the stored values in their stored layout
+  (no repacked copy: mapped, processes on a node share one; or a plain copy of them,
+  `EngineConfig.copy_weights`); int4 products quantize their rows to int8 per
   32 inputs where AVX-512 VNNI is compiled (`EngineConfig.int8_activations`). torch's own
   `_weight_int8pack_mm` took 161 us for a 960x576 weight at one row against 20 us here, and its int4
   CPU op was slower still at hundreds of rows (docs/benchmarks.md, "Quantized weights"). More rows

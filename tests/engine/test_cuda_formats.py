@@ -92,3 +92,31 @@ def test_int4_under_bfloat16_compute_tracks_float32_compute(checkpoint):
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"int4 on {DEVICE}: top-1 agreement bfloat16 against float32 compute {agree:.3f}")
     assert agree >= 0.85
+
+
+def test_an_adapter_on_the_device_matches_the_same_adapter_on_the_cpu(checkpoint, tmp_path):
+    """LoRA deltas (engine.lora) on the device: the same logits as on the CPU under float32 compute;
+    on int4 weights, bfloat16 compute picks the float32 compute's top-1 token at most positions."""
+    from bench.model_files import random_adapter
+    from engine.lora import AdapterSet
+
+    host = _load(checkpoint, "cpu", "fp32")
+    random_adapter(tmp_path / "a", host.cfg, seed=3, rank=8,
+                   targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    seq = _ids(N_PROMPT, 3)
+    ref = host.forward(host.new_cache(N_PROMPT), seq, all_logits=True,
+                       adapter=AdapterSet(tmp_path, host.cfg).add("a", "a"))
+    assert (ref - host.forward(host.new_cache(N_PROMPT), seq, all_logits=True)).abs().max() > 0.1  # it matters
+    dev = _load(checkpoint, DEVICE, "fp32")
+    a = AdapterSet(tmp_path, dev.cfg, device=dev.device, dtype=dev.dtype).add("a", "a")
+    assert a.layers[0]["wqkv"].a.device.type == torch.device(DEVICE).type
+    got = dev.forward(dev.new_cache(N_PROMPT), seq, all_logits=True, adapter=a)
+    assert (got.cpu() - ref).abs().max().item() < 1e-4 * max(ref.abs().max().item(), 1.0)
+    q32, b16 = _load(checkpoint, DEVICE, "int4"), _load(checkpoint, DEVICE, "int4", "bfloat16")
+    want = q32.forward(q32.new_cache(N_PROMPT), seq, all_logits=True,
+                       adapter=AdapterSet(tmp_path, q32.cfg, device=q32.device).add("a", "a"))
+    a16 = AdapterSet(tmp_path, b16.cfg, device=b16.device, dtype=b16.dtype).add("a", "a")
+    got16 = b16.forward(b16.new_cache(N_PROMPT), seq, all_logits=True, adapter=a16)
+    agree = (got16.argmax(-1) == want.argmax(-1)).float().mean().item()
+    print(f"adapter on {DEVICE}, int4 weights: top-1 agreement of bfloat16 with float32 compute {agree:.3f}")
+    assert torch.isfinite(got16).all() and agree >= 0.85
