@@ -1,7 +1,8 @@
 """The memory governor's books: a row per chunk of a context, a book per context.
 
 Plain data: what the governor knows of each chunk (its level, its resident handle, its file) and how
-that reads as a registry row. The governor alone changes them (`actors.governor`).
+that reads as a registry row, and how a context's book reads in `GET /v1/contexts/{id}`. The governor
+alone changes them (`actors.governor`).
 """
 
 from __future__ import annotations
@@ -62,3 +63,28 @@ class CtxBook:
     chunks: dict[int, Chunk] = field(default_factory=dict)
     request_id: str | None = None
     """The request id of the last committed call: a call retried with it appends nothing."""
+
+
+def describe_context(row, state: dict, book: CtxBook, chunk_tokens: int, *, busy: bool) -> dict:
+    """What `GET /v1/contexts/{id}` shows of a context: its registry row (`storage.records.ContextRecord`),
+    the executor's saved state (turns), and its book (chunks by where they are and their level)."""
+    resident: dict[str, int] = {}
+    swapped: dict[str, int] = {}
+    for ch in book.chunks.values():
+        if ch.handle is not None:
+            resident[ch.level] = resident.get(ch.level, 0) + 1
+        elif ch.file is not None:
+            swapped[ch.level] = swapped.get(ch.level, 0) + 1
+    n_chunks = -(-book.kv_tokens // chunk_tokens) if book.kv_tokens else 0
+    system_prompt = state.get("system_prompt", row.system_prompt or None)
+    turns = state.get("turns") or []
+    if not turns and system_prompt is not None:
+        turns = [{"role": "system", "text": system_prompt}]
+    return {
+        "id": row.id, "app": row.app, "system_prompt": system_prompt, "adapter": row.adapter.split("@")[0] or None,
+        "tokens": int(len(row.token_ids)), "kv_tokens": book.kv_tokens,
+        "created": row.created, "last_used": row.last_used, "busy": busy,
+        "turns": [{"role": t["role"], "text": t["text"]} for t in turns],
+        "chunks": {"total": n_chunks, "resident": resident, "swapped": swapped,
+                   "to_recompute": max(0, n_chunks - sum(resident.values()) - sum(swapped.values()))},
+    }

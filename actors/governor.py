@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from actors.books import Chunk, CtxBook
+from actors.books import Chunk, CtxBook, describe_context
 from actors.messages import CallPlan, CommitReply
 from actors.writeback import Write, WritesInFlight
 from scheduler import levels as L
@@ -229,28 +229,9 @@ class MemoryGovernor:
         (the HTTP API's `GET /v1/contexts/{id}`). UnknownContextError for another app's context."""
         row = self.registry.get_context(ctx, app)
         saved = self.registry.load_state(ctx)
-        state = json.loads(saved[0]) if saved else {}
         book = self.books.get(ctx) or CtxBook(row.app)
-        resident: dict[str, int] = {}
-        swapped: dict[str, int] = {}
-        for ch in book.chunks.values():
-            if ch.handle is not None:
-                resident[ch.level] = resident.get(ch.level, 0) + 1
-            elif ch.file is not None:
-                swapped[ch.level] = swapped.get(ch.level, 0) + 1
-        n_chunks = -(-book.kv_tokens // self.cfg.chunk_tokens) if book.kv_tokens else 0
-        system_prompt = state.get("system_prompt", row.system_prompt or None)
-        turns = state.get("turns") or []
-        if not turns and system_prompt is not None:
-            turns = [{"role": "system", "text": system_prompt}]
-        return {
-            "id": ctx, "app": row.app, "system_prompt": system_prompt, "adapter": row.adapter.split("@")[0] or None,
-            "tokens": int(len(row.token_ids)), "kv_tokens": book.kv_tokens,
-            "created": row.created, "last_used": row.last_used, "busy": ctx in self.locked,
-            "turns": [{"role": t["role"], "text": t["text"]} for t in turns],
-            "chunks": {"total": n_chunks, "resident": resident, "swapped": swapped,
-                       "to_recompute": max(0, n_chunks - sum(resident.values()) - sum(swapped.values()))},
-        }
+        return describe_context(row, json.loads(saved[0]) if saved else {}, book, self.cfg.chunk_tokens,
+                                busy=ctx in self.locked)
 
     # ---- a call -----------------------------------------------------------------------------------
     def begin_call(self, ctx: str, app: str | None = None, cached: bool = False) -> CallPlan:
