@@ -29,6 +29,19 @@ def _engine(args):
     return engine
 
 
+def _adapter(args, engine):
+    """The LoRA adapter `--adapter` names (a PEFT directory), loaded for this process's contexts; None."""
+    if not args.adapter:
+        return None
+    from pathlib import Path
+
+    from engine.lora import AdapterSet
+
+    d = Path(args.adapter).expanduser().resolve()
+    m = engine.model
+    return AdapterSet(d.parent, m.cfg, device=m.device, dtype=m.dtype).add("adapter", d.name)
+
+
 def _sampling(args) -> dict:
     return {
         "max_tokens": args.max_tokens,
@@ -49,12 +62,13 @@ def _check_sampling(args) -> None:
 def cmd_generate(args) -> int:
     _check_sampling(args)
     engine = _engine(args)
+    adapter = _adapter(args, engine)
     if args.prompt == "-":
         args.prompt = sys.stdin.read()
     if args.chat:
-        stream = engine.stream(engine.new_ctx(args.system), args.prompt, **_sampling(args))
+        stream = engine.stream(engine.new_ctx(args.system, adapter=adapter), args.prompt, **_sampling(args))
     else:
-        stream = engine.complete(args.prompt, **_sampling(args))
+        stream = engine.complete(args.prompt, adapter=adapter, **_sampling(args))
     for delta in stream:
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -102,7 +116,7 @@ def cmd_chat_remote(args) -> int:
     from deploy.client import ServiceError
 
     client = _remote(args)
-    ctx = args.context or client.new_ctx(args.system)
+    ctx = args.context or client.new_ctx(args.system, adapter=args.adapter)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"llmaas chat on {args.url}, context {ctx}. /exit (or Ctrl-D) ends.", file=sys.stderr)
@@ -184,7 +198,8 @@ def cmd_chat(args) -> int:
         return cmd_chat_remote(args)  # the server checks the sampling arguments
     _check_sampling(args)
     engine = _engine(args)
-    ctx = engine.new_ctx(args.system)
+    adapter = _adapter(args, engine)
+    ctx = engine.new_ctx(args.system, adapter=adapter)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"llmaas chat on {engine.model.device}. {CHAT_HELP}", file=sys.stderr)
@@ -192,7 +207,7 @@ def cmd_chat(args) -> int:
     for prompt in _prompts(interactive):
         if prompt.strip() == "/reset":
             engine.delete_ctx(ctx)
-            ctx = engine.new_ctx(args.system)
+            ctx = engine.new_ctx(args.system, adapter=adapter)
             print("(new context)", file=sys.stderr)
             continue
         if prompt.strip() == "/stats":
@@ -283,11 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     g.add_argument("--chat", action="store_true", help="format the prompt as one user turn with the chat template")
     _add_model_args(g)
+    g.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter (PEFT directory) to run under")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive multi-turn chat on one context",
                        description="Interactive multi-turn chat on one context; one line per user turn. " + CHAT_HELP)
     _add_model_args(c)
     _add_server_args(c, required=False)
+    c.add_argument("--adapter", default=None, metavar="DIR|NAME",
+                   help="a LoRA adapter to run under: its PEFT directory here, or with --url the name of one the "
+                        "server loaded (for a new context)")
     c.add_argument("--context", metavar="ID", help="with --url: continue this context (default: a new one)")
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="run the HTTP service (Ray Serve) until Ctrl-C",

@@ -259,8 +259,9 @@ class ContextEngine:
             total_s=time.perf_counter() - t0,
         )
 
-    def complete(self, prompt: str, **params) -> CallStream:
-        """Plain completion of `prompt` (no chat template) in a throwaway context."""
+    def complete(self, prompt: str, adapter: Adapter | None = None, **params) -> CallStream:
+        """Plain completion of `prompt` (no chat template) in a throwaway context, under the LoRA
+        `adapter` when given."""
         if not isinstance(prompt, str) or not prompt:
             raise BadRequestError("prompt must be a non-empty string")
         sp = SamplingParams(**params)
@@ -274,6 +275,7 @@ class ContextEngine:
             conv=Conversation(),
             cache=self.model.new_cache(round_up(len(ids) + sp.max_tokens, self.cfg.chunk_tokens)),
             density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
+            adapter=adapter,
         )
 
         def run():

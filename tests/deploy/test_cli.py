@@ -51,3 +51,20 @@ def test_bad_arguments_fail_clearly():
     assert r.returncode == 2 and "top_p" in r.stderr and r.stdout == ""
     r = run("generate", "--prompt", "x", "--model", "/nonexistent/model.gguf")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_generate_under_a_lora_adapter(engine, tmp_path):
+    """`--adapter DIR`: the reply is the engine's under the same adapter (and not the base model's);
+    a directory that is no adapter fails with the adapter's error code, no traceback."""
+    from bench.model_files import random_adapter
+    from engine.lora import AdapterSet
+
+    random_adapter(tmp_path / "tutor", engine.model.cfg, seed=1)
+    adapter = AdapterSet(tmp_path, engine.model.cfg).add("tutor", "tutor")
+    expected = engine.call(engine.new_ctx(adapter=adapter), PROMPT, max_tokens=8).text
+    assert expected != engine.call(engine.new_ctx(), PROMPT, max_tokens=8).text
+    r = run("generate", "--chat", "--prompt", PROMPT, "--max-tokens", "8", "--adapter", str(tmp_path / "tutor"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+    r = run("generate", "--prompt", PROMPT, "--adapter", str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and "no adapter at" in r.stderr and "Traceback" not in r.stderr
