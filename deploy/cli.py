@@ -173,8 +173,9 @@ def cmd_adapters(args) -> int:
         rows = client.adapters()
         if args.json:
             print(json.dumps(rows, indent=1))
-        for a in rows if not args.json else ():
-            print(f"{a['name']}  rank {a['rank']}  {','.join(a['targets'])}  {a['path']}")
+        else:
+            for a in rows:
+                print(f"{a['name']}  rank {a['rank']}  {','.join(a['targets'])}  {a['path']}")
         return 0
     if not args.name or (args.action == "add" and not args.path):
         raise SystemExit(f"llmaas: error: `adapters {args.action}` needs NAME" + (" and PATH" if args.action == "add" else ""))

@@ -53,6 +53,7 @@ MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alon
 # 2 blocks, a third of the scores masked, which is slower)
 
 
+_NO_DELTAS: dict = {}  # a layer's adapter deltas without an adapter (read only; not made anew per layer)
 _ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
 
 
@@ -365,7 +366,7 @@ class Transformer:
         """One decoder layer over rows `x` `[n, hidden]`; returns the new rows, updating `x` in place
         (callers pass hidden states they own). An adapter's deltas are added after each base product."""
         cfg, w = self.cfg, self.w.layers[layer]
-        lora = adapter.layers[layer] if adapter is not None else {}
+        lora = adapter.layers[layer] if adapter is not None else _NO_DELTAS
         n = x.shape[0]
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
