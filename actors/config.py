@@ -56,6 +56,11 @@ class ServiceConfig:
     """Weight format the model runs in (engine.quant.WeightFormat: `fp32`, `bf16`, `int8`, `int4`,
     `int4-g128`, ...); converted once into the model cache. Part of every chunk's `KVKey`: K/V made
     under one format is never restored under another."""
+    kv_format: str = "float"
+    """How contexts' K/V is held in the working set (engine.kvformat): `float` (the compute dtype) or
+    `kv8` (keys int8, values fp8 e4m3, one scale per token and head: about a quarter of float32). A kv8
+    chunk is swapped as its bytes; the planner lowers it to q4/q2 only. Lossy, so refused under a
+    lossless policy. Part of every chunk's `KVKey`."""
     adapter_root: str = ""
     """Folder the LoRA adapters are loaded from (PEFT directories, engine.lora); a path or symlink
     leading out of it is refused. Empty: `<data_dir>/adapters`."""
@@ -69,6 +74,14 @@ class ServiceConfig:
         if isinstance(self.tuning, dict):  # from a config file or a Serve application's arguments
             self.tuning = tuning_from(self.tuning)
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
+        if self.kv_format not in ("float", "kv8"):
+            raise ValueError(f"unknown KV format {self.kv_format!r}; valid: float, kv8")
+        if self.kv_format != "float":
+            from scheduler.policies import get_policy
+
+            if get_policy(self.policy).compression == "none":
+                raise ValueError(f"policy {self.policy!r} is lossless: it cannot run on a {self.kv_format} "
+                                 "working set (choose kv_format float, or a policy that compresses)")
 
     def adapter_dir(self) -> str:
         """The adapter root in effect (`adapter_root`, or `<data_dir>/adapters`)."""

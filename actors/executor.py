@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
-import torch
 
 from actors.messages import CallOutcome, CallPlan, RestoreRequest, RestoreStats
 from actors.recompute import stage_seconds
@@ -178,14 +177,12 @@ class ModelExecutor:
         self.put = put
         """Handles for encoded chunks, one per chunk, in order (on Ray: object refs, put in one go)."""
         self.chunk = engine.cfg.chunk_tokens
-        self.ws = working_set or self.model.new_cache(engine.limit)
+        self.ws = working_set or self.model.new_cache(engine.limit, engine.cfg.kv_format)
         self._last: tuple[str, str | None, LiveContext, str] | None = None
         """(context, app, engine context, state JSON committed) of the last call, while the working set
         holds it: a call the working set answers gets no state with its plan, and checks its request
         id against this one (`_committed_outcome`)."""
-        self.level_dtype = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[
-            self.model.dtype
-        ]
+        self.level_dtype = self.ws.storage_name  # how the codecs type its chunks (a kv8 set's rows: "kv8")
         self._bg = (ThreadPoolExecutor(1, thread_name_prefix="writeback", initializer=single_threaded_torch)
                     if background else None)
         self._pending: Future | None = None

@@ -34,6 +34,8 @@ class KVKey:
     """The weights' format as computed with (`fp32`; quantized formats give other K/V)."""
     adapter: str = ""
     """The LoRA adapter applied, "" for the base model."""
+    kv_format: str = "float"
+    """How the working set held the K/V (`engine.kvformat`): a `kv8` set's chunks are its rows."""
     app: str = ""
     """The app the K/V belongs to, "" for the model part alone."""
 
@@ -42,13 +44,15 @@ class KVKey:
         return replace(self, app="")
 
     def record_tag(self) -> str:
-        """The string chunk records carry. The base format (`fp32`, no adapter) is the bare fingerprint,
-        which is what records written before weight formats and adapters existed carry."""
+        """The string chunk records carry. The base format (`fp32`, no adapter, float K/V) is the bare
+        fingerprint, which is what records written before weight formats and adapters existed carry."""
         tag = self.fingerprint
         if self.weight_format != "fp32":
             tag += f";w={self.weight_format}"
         if self.adapter:
             tag += f";a={self.adapter}"
+        if self.kv_format != "float":
+            tag += f";kv={self.kv_format}"
         return tag
 
 

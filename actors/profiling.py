@@ -140,7 +140,7 @@ def measure(model, *, read_bytes_per_s: float = 0.0, tokens: int = PROFILE_TOKEN
         if progress:
             print(f"llmaas profile: recompute {x} chunks {rec[-1][1] * 1000:.0f} ms", file=sys.stderr)
     io, dec = [], []
-    dtype = {4: "float32", 2: "bfloat16"}.get(cache.kv.element_size(), "float32")
+    dtype = cache.storage_name
     from actors.restore import host_view
 
     kv = host_view(cache)

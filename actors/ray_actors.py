@@ -340,9 +340,9 @@ class ExecutorActor(Health):
         # a new segment per executor process: a restarted executor never shares a stale one
         shm_name = f"{prefix}-ws-{os.getpid()}"
         _unlink_stale_segments(prefix)
-        _warn_if_shm_small(working_set_nbytes(model.cfg, engine.limit))
-        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True)
-        ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens)
+        _warn_if_shm_small(working_set_nbytes(model.cfg, engine.limit, ecfg.kv_format))
+        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True, kv_format=ecfg.kv_format)
+        ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens, dtype=model.dtype)
         from scheduler.pipeline import CostProfile, ReadRate
 
         prof = CostProfile.from_json(c.profile) if c.profile else None
@@ -355,7 +355,7 @@ class ExecutorActor(Health):
         adapters = AdapterSet(c.adapter_dir(), model.cfg, device=model.device, dtype=model.dtype)
         restorer = RayRestorer(RecomputeStub(recompute_handle), model.cfg, shm_name, engine.limit, c.chunk_tokens,
                                self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held, refs.views,
-                               tuning=t, adapters=adapters)
+                               tuning=t, adapters=adapters, storage_name=ws.storage_name)
         self.refs = refs
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=refs.put, background=True,  # write-back after the reply

@@ -32,7 +32,7 @@ class RayRestorer:
 
     def __init__(self, worker, cfg, shm_name: str, capacity: int, chunk_tokens: int, per_ref_s: float,
                  read_rate, io, held: dict, views: dict, threads: int = 2, tuning: Tuning = Tuning(),
-                 adapters=None) -> None:
+                 adapters=None, storage_name: str = "float32") -> None:
         self.worker = worker
         self.adapters = adapters  # the executor's `engine.lora.AdapterSet`: the worker is told the context's
         self.tuning = tuning
@@ -41,6 +41,7 @@ class RayRestorer:
         self.views = views  # key -> zero-copy view of the same chunk
         self.cfg = cfg
         self.chunk_shape = (cfg.n_layers, 2, cfg.n_kv_heads, chunk_tokens, cfg.head_dim)
+        self.storage_name = storage_name  # the working set's chunks as the codecs type them
         self.shm_name, self.capacity = shm_name, capacity
         self.per_ref_s = per_ref_s
         self.read_rate = read_rate
@@ -48,7 +49,7 @@ class RayRestorer:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
 
     def _load_nbytes(self, plan) -> int:
-        return sum(codecs.stored_nbytes(level, self.chunk_shape) for _, level, _ in plan.load)
+        return sum(codecs.stored_nbytes(level, self.chunk_shape, self.storage_name) for _, level, _ in plan.load)
 
     def group_size(self, plan) -> int:
         if not plan.recompute:  # nothing to overlap the reads with: one group, one hand-over

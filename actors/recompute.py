@@ -23,6 +23,7 @@ import torch
 from actors.config import Tuning, private_files
 from actors.messages import RestoreRequest, RestoreStats
 from actors.restore import restore
+from engine import kvformat
 from engine.config import ModelConfig
 from engine.kvcache import KVCache
 
@@ -42,18 +43,25 @@ def stage_seconds(timeline) -> dict[str, float]:
     return out
 
 
-def working_set_nbytes(cfg: ModelConfig, capacity: int) -> int:
-    """Bytes of a float32 working set of `capacity` tokens."""
-    return cfg.n_layers * 2 * cfg.n_kv_heads * capacity * cfg.head_dim * 4
+def _working_set_shape(cfg: ModelConfig, capacity: int, kv_format: str) -> tuple[tuple[int, ...], type]:
+    if kv_format == "kv8":
+        return (cfg.n_layers, 2, cfg.n_kv_heads, capacity, kvformat.row_bytes(cfg.head_dim)), np.uint8
+    return (cfg.n_layers, 2, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32
 
 
-def shared_working_set(cfg: ModelConfig, capacity: int, name: str,
-                       create: bool) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
-    """A float32 `[L, 2, Hkv, capacity, D]` tensor over POSIX shared memory `name`. Pages cost memory
-    only once written."""
+def working_set_nbytes(cfg: ModelConfig, capacity: int, kv_format: str = "float") -> int:
+    """Bytes of a float32 (or `kv8`) working set of `capacity` tokens."""
+    shape, dtype = _working_set_shape(cfg, capacity, kv_format)
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,
+                       kv_format: str = "float") -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    """A float32 `[L, 2, Hkv, capacity, D]` tensor (`kv8`: uint8 rows of D + 4) over POSIX shared
+    memory `name`. Pages cost memory only once written."""
     from actors.swapio import attach_segment
 
-    shape = (cfg.n_layers, 2, cfg.n_kv_heads, capacity, cfg.head_dim)
+    shape, dtype = _working_set_shape(cfg, capacity, kv_format)
     if create:
         try:  # a segment left by a crashed executor of the same name
             old = shared_memory.SharedMemory(name=name)
@@ -61,10 +69,11 @@ def shared_working_set(cfg: ModelConfig, capacity: int, name: str,
             old.unlink()
         except FileNotFoundError:
             pass
-        shm = shared_memory.SharedMemory(name=name, create=True, size=working_set_nbytes(cfg, capacity))
+        shm = shared_memory.SharedMemory(name=name, create=True,
+                                         size=working_set_nbytes(cfg, capacity, kv_format))
     else:
         shm = attach_segment(name)
-    arr = np.ndarray(shape, dtype=np.float32, buffer=shm.buf)
+    arr = np.ndarray(shape, dtype=dtype, buffer=shm.buf)
     return shm, torch.from_numpy(arr)
 
 
@@ -96,8 +105,9 @@ class RecomputeWorker:
         if self.shm is None or self.shm.name.lstrip("/") != name:
             if self.shm is not None:
                 self.shm.close()
-            self.shm, buf = shared_working_set(self.model.cfg, capacity, name, create=False)
-            self.ws = KVCache.wrap(self.model.cfg, buf, chunk_tokens=self.chunk_tokens)
+            self.shm, buf = shared_working_set(self.model.cfg, capacity, name, create=False,
+                                               kv_format=self.model.engine_cfg.kv_format)
+            self.ws = KVCache.wrap(self.model.cfg, buf, chunk_tokens=self.chunk_tokens, dtype=self.model.dtype)
         return self.ws
 
     def restore(self, req: RestoreRequest) -> RestoreStats:

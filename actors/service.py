@@ -55,16 +55,20 @@ class Components:
 
 
 def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: str = "auto") -> Components:
-    """The components' configurations for a model of shape `model` computing in `dtype`."""
+    """The components' configurations for a model of shape `model` computing in `dtype` (the governor
+    and the codecs see `kv8` when the working set holds that format)."""
     from actors.executor import GROUP_LAYERS
     from actors.swapio import layer_groups
 
+    if config.kv_format == "kv8":  # the working set's chunks are its rows: that is `raw` then
+        dtype = "kv8"
     raw_chunk_bytes = codecs.stored_nbytes(
         "raw", (model.n_layers, 2, model.n_kv_heads, config.chunk_tokens, model.head_dim), dtype)
 
     return Components(
         engine=EngineConfig(max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
-                            device=device, weights=config.weights, copy_weights=False),  # one mapped copy a node
+                            device=device, weights=config.weights, copy_weights=False,  # one mapped copy a node
+                            kv_format=config.kv_format),
         registry=RegistryConfig(max_contexts_per_app=config.max_contexts_per_app, chunk_tokens=config.chunk_tokens),
         store=ChunkStoreConfig(disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
                                read_burst_bytes=config.read_burst_bytes),
@@ -226,7 +230,8 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     prepare_data_dir(root)
     if engine is None:
         engine = ContextEngine.load(None, EngineConfig(max_context_tokens=config.max_context_tokens,
-                                                       chunk_tokens=config.chunk_tokens, weights=config.weights))
+                                                       chunk_tokens=config.chunk_tokens, weights=config.weights,
+                                                       kv_format=config.kv_format))
     elif engine.model.engine_cfg.chunk_tokens != config.chunk_tokens:
         raise ValueError(f"the engine passed cuts {engine.model.engine_cfg.chunk_tokens}-token chunks but the "
                          f"service is configured for {config.chunk_tokens}; load a model with that chunk size")
@@ -235,11 +240,11 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
                          f"configured for {config.weights}; load the model in that format")
     parts = components(config, engine.model.cfg, dtype_name(engine.model.dtype))
     fingerprint = engine.fingerprint or "unknown-model"
-    if engine.cfg.max_context_tokens != config.max_context_tokens:
+    if (engine.cfg.max_context_tokens, engine.cfg.kv_format) != (config.max_context_tokens, config.kv_format):
         engine = ContextEngine(engine.model, engine.tok, parts.engine)
         engine.fingerprint = fingerprint
     registry = Registry(str(root / "registry.db"), config=parts.registry)
-    io = KVSwapIO(str(root / "chunks"), KVKey(fingerprint, engine.model.weight_format).record_tag(), parts.store)
+    io = KVSwapIO(str(root / "chunks"), KVKey(fingerprint, engine.model.weight_format, kv_format=config.kv_format).record_tag(), parts.store)
     if profile is None:
         profile = _local_profile(config, engine, fingerprint)
     governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)

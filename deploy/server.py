@@ -54,6 +54,8 @@ def options_from_args(args) -> dict:
         opts["model"] = args.model
     if getattr(args, "weights", None):
         opts["weights"] = args.weights
+    if getattr(args, "kv_format", None):
+        opts["kv_format"] = args.kv_format
     if getattr(args, "adapter_root", None):
         opts["adapter_root"] = str(Path(args.adapter_root).expanduser().resolve())
     from engine.quant import WeightFormat
@@ -61,7 +63,10 @@ def options_from_args(args) -> dict:
 
     WeightFormat.parse(str(opts.get("weights", "fp32")))  # a bad format fails here, listing the valid ones
 
-    get_policy(opts.get("policy", "llms"))  # unknown names fail here, listing the valid ones
+    policy = get_policy(opts.get("policy", "llms"))  # unknown names fail here, listing the valid ones
+    if opts.get("kv_format", "float") != "float" and policy.compression == "none":
+        raise ValueError(f"policy {policy.name!r} is lossless: it cannot run on a {opts['kv_format']} working "
+                         "set (use --kv-format float, or a policy that compresses, e.g. llms)")
     if int(opts.get("pool_bytes", 1)) <= 0:
         raise ValueError("--kv-budget must be a positive number of bytes")
     return opts

@@ -350,19 +350,115 @@ int attn_forward(const float *q, i64 q_stride, const i64 *pos, i64 n, const floa
 /* Attention of a few query rows without the transposed copy of the keys (which pays off only when
  * many rows share it): one item per (row, query head) computes its scores as dot products with each
  * key row, the softmax, the column sums and P V, in one pass over the keys for the scores and one
- * for the values. Arguments as attn_forward's. */
+ * for the values. Arguments as attn_forward's. With `kv8` set, keys and values are rows of D + 4
+ * bytes (engine/kvformat.py: int8 keys or fp8 e4m3 values, then the row's float32 scale), de-quantized
+ * as they are read, once for the query heads that share them (`rows_item_kv8`): `k_head`, `v_head`
+ * count bytes then. */
 typedef struct {
     const float *q;
     i64 q_stride;
     const i64 *pos;
     i64 n;
-    const float *k, *v;
+    const void *k, *v;
     i64 k_head, v_head, hkv, group, d;
     float scale;
     float *out;
     i64 out_stride;
     i64 s_pad;
+    int kv8;
 } rows_job_t;
+
+typedef int8_t v8b __attribute__((vector_size(8)));
+typedef uint8_t v8ub __attribute__((vector_size(8)));
+
+/* 8 int8 keys as floats */
+static inline v8f load8_i8(const uint8_t *p) {
+    v8b b;
+    memcpy(&b, p, 8);
+    return __builtin_convertvector(b, v8f);
+}
+
+/* 8 fp8 e4m3fn values as floats, exactly (NaN, 0x7f, is never stored). The 7 bits of exponent and
+ * mantissa go to a float's exponent and mantissa with the bias moved from 7 to 127; a subnormal (zero
+ * exponent field) then reads 2^-7 + m 2^-10 instead of m 2^-9, which the select undoes without
+ * producing a float subnormal (which a flush-to-zero mode would lose). */
+static inline v8f load8_e4m3(const uint8_t *p) {
+    v8ub b;
+    memcpy(&b, p, 8);
+    const v8i x = __builtin_convertvector(b, v8i);
+    const v8i mag = ((x & 0x7f) << 20) + (120 << 23), sign = (x & 0x80) << 24;
+    const v8f normal = (v8f)mag;
+    const v8f sub = (normal - splat(0x1p-7f)) * splat(2.0f);
+    const v8i is_sub = (x & 0x78) == 0;
+    return (v8f)((((v8i)sub & is_sub) | ((v8i)normal & ~is_sub)) | sign);
+}
+
+static inline float row_scale(const uint8_t *row, i64 d) {
+    float s;
+    memcpy(&s, row + d, sizeof s);
+    return s;
+}
+
+/* One item of a kv8 job: row r against KV head h for its `group` query heads, so each key and value
+ * row is de-quantized once for all of them, KB rows at a time into `buf` (64 KiB for a 64-wide head,
+ * in L2). `scores` holds the group's rows of scores (`s_pad` apart), `qa` the scaled queries and then
+ * the outputs' accumulators. */
+static void rows_item_kv8(const rows_job_t *jb, float *scores, float *colsum, float *buf, float *qa, i64 item) {
+    const i64 d = jb->d, g_n = jb->group, w = d + 4, sp = jb->s_pad;
+    const i64 r = item / jb->hkv, h = item % jb->hkv;
+    const i64 len = jb->pos[r] + 1;
+    const uint8_t *kh = (const uint8_t *)jb->k + h * jb->k_head, *vh = (const uint8_t *)jb->v + h * jb->v_head;
+    for (i64 g = 0; g < g_n; g++) {
+        const float *qr = jb->q + r * jb->q_stride + (h * g_n + g) * d;
+        for (i64 c = 0; c < d; c++) qa[g * d + c] = qr[c] * jb->scale; /* the query scaled first */
+    }
+    for (i64 j0 = 0; j0 < len; j0 += KB) {
+        const i64 nb = len - j0 < KB ? len - j0 : KB;
+        for (i64 j = 0; j < nb; j++) {
+            const uint8_t *kj = kh + (j0 + j) * w;
+            const v8f sc = splat(row_scale(kj, d));
+            for (i64 c = 0; c < d; c += 8) store8(buf + j * d + c, load8_i8(kj + c) * sc);
+        }
+        for (i64 g = 0; g < g_n; g++) {
+            const float *qs = qa + g * d;
+            float *sg = scores + g * sp + j0;
+            for (i64 j = 0; j < nb; j++) {
+                v8f a = splat(0.0f);
+                for (i64 c = 0; c < d; c += 8) a += load8(qs + c) * load8(buf + j * d + c);
+                sg[j] = hsum(a);
+            }
+        }
+    }
+    float inv[64];
+    for (i64 g = 0; g < g_n; g++) {
+        inv[g] = 1.0f / exp_row(scores + g * sp, len);
+        if (colsum != NULL) add_scaled(colsum, scores + g * sp, len, inv[g]);
+    }
+    memset(qa, 0, (size_t)(g_n * d) * sizeof(float)); /* now the accumulators of P V */
+    for (i64 j0 = 0; j0 < len; j0 += KB) {
+        const i64 nb = len - j0 < KB ? len - j0 : KB;
+        for (i64 j = 0; j < nb; j++) {
+            const uint8_t *vj = vh + (j0 + j) * w;
+            const v8f sc = splat(row_scale(vj, d));
+            for (i64 c = 0; c < d; c += 8) store8(buf + j * d + c, load8_e4m3(vj + c) * sc);
+        }
+        for (i64 g = 0; g < g_n; g++) {
+            const float *sg = scores + g * sp + j0;
+            v8f acc[32];
+            for (i64 c = 0; c < d / 8; c++) acc[c] = load8(qa + g * d + 8 * c);
+            for (i64 j = 0; j < nb; j++) {
+                const v8f p = splat(sg[j]);
+                for (i64 c = 0; c < d / 8; c++) acc[c] += p * load8(buf + j * d + 8 * c);
+            }
+            for (i64 c = 0; c < d / 8; c++) store8(qa + g * d + 8 * c, acc[c]);
+        }
+    }
+    for (i64 g = 0; g < g_n; g++) {
+        float *dst = jb->out + r * jb->out_stride + (h * g_n + g) * d;
+        const v8f iv = splat(inv[g]);
+        for (i64 c = 0; c < d / 8; c++) store8(dst + 8 * c, load8(qa + g * d + 8 * c) * iv);
+    }
+}
 
 static void rows_item(const rows_job_t *jb, float *scores, float *colsum, i64 item) {
     const i64 d = jb->d, heads = jb->hkv * jb->group;
@@ -371,7 +467,7 @@ static void rows_item(const rows_job_t *jb, float *scores, float *colsum, i64 it
     float qs[256];
     const float *qr = jb->q + r * jb->q_stride + hq * d;
     for (i64 c = 0; c < d; c++) qs[c] = qr[c] * jb->scale; /* the query scaled first, as the torch kernel */
-    const float *kh = jb->k + h * jb->k_head, *vh = jb->v + h * jb->v_head;
+    const float *kh = (const float *)jb->k + h * jb->k_head, *vh = (const float *)jb->v + h * jb->v_head;
     for (i64 j = 0; j < len; j++) {
         const float *kj = kh + j * d;
         v8f a = splat(0.0f);
@@ -398,32 +494,40 @@ typedef struct {
     int id, parts;
 } rows_part_t;
 
+/* items of a job: (row, query head), or (row, KV head) in kv8 */
+static i64 rows_items(const rows_job_t *jb) { return jb->n * jb->hkv * (jb->kv8 ? 1 : jb->group); }
+
 static void *rows_main(void *arg) {
     rows_part_t *p = arg;
-    const i64 items = p->job->n * p->job->hkv * p->job->group;
-    for (i64 item = p->id; item < items; item += p->parts) rows_item(p->job, p->scores, p->colsum, item);
+    const rows_job_t *jb = p->job;
+    const i64 items = rows_items(jb);
+    if (jb->kv8) {  /* the part's scratch: group rows of scores, then KB rows of K or V, then queries */
+        float *buf = p->scores + jb->group * jb->s_pad, *qa = buf + KB * jb->d;
+        for (i64 item = p->id; item < items; item += p->parts) rows_item_kv8(jb, p->scores, p->colsum, buf, qa, item);
+    } else {
+        for (i64 item = p->id; item < items; item += p->parts) rows_item(jb, p->scores, p->colsum, item);
+    }
     return NULL;
 }
 
-/* attn_forward for a few rows (Hq * D <= 256 * heads; D % 8 == 0, D <= 256). Returns 0, or -1 when
- * memory for the scratch cannot be had or D is out of range. */
-int attn_rows(const float *q, i64 q_stride, const i64 *pos, i64 n, const float *k, i64 k_head,
-              const float *v, i64 v_head, i64 hkv, i64 group, i64 d, float scale, float *out,
-              i64 out_stride, float *density, int threads) {
+static int rows_run(rows_job_t jb, float *density, int threads) {
+    const i64 n = jb.n;
     if (n <= 0) return 0;
-    if (d % 8 || d > 256) return -1;
-    const i64 s = pos[n - 1] + 1, sp = (s + 15) / 16 * 16, items = n * hkv * group;
+    if (jb.d % 8 || jb.d > 256 || (jb.kv8 && jb.group > 64)) return -1;
+    const i64 s = jb.pos[n - 1] + 1, sp = (s + 15) / 16 * 16, items = rows_items(&jb);
+    jb.s_pad = sp;
+    /* floats of scratch per part: a row of scores; in kv8 a group's rows, KB de-quantized rows, queries */
+    const i64 per = jb.kv8 ? jb.group * sp + (KB + jb.group) * jb.d : sp;
     if (threads < 1) threads = 1;
     if (threads > items) threads = (int)items;
     if (threads > 16) threads = 16;
-    float *scratch = malloc((size_t)(threads * sp) * sizeof(float) * 2);
+    float *scratch = malloc((size_t)(threads * (per + sp)) * sizeof(float));
     if (scratch == NULL) return -1;
-    float *colsums = scratch + (size_t)threads * sp;
+    float *colsums = scratch + (size_t)threads * per;
     if (density) memset(colsums, 0, (size_t)(threads * sp) * sizeof(float));
-    rows_job_t jb = {q, q_stride, pos, n, k, v, k_head, v_head, hkv, group, d, scale, out, out_stride, sp};
     rows_part_t parts[16];
     for (int t = 0; t < threads; t++)
-        parts[t] = (rows_part_t){&jb, scratch + (size_t)t * sp, density ? colsums + (size_t)t * sp : NULL, t, threads};
+        parts[t] = (rows_part_t){&jb, scratch + (size_t)t * per, density ? colsums + (size_t)t * sp : NULL, t, threads};
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
     {
@@ -453,4 +557,21 @@ int attn_rows(const float *q, i64 q_stride, const i64 *pos, i64 n, const float *
     }
     free(scratch);
     return 0;
+}
+
+/* attn_forward for a few rows (Hq * D <= 256 * heads; D % 8 == 0, D <= 256). Returns 0, or -1 when
+ * memory for the scratch cannot be had or D is out of range. */
+int attn_rows(const float *q, i64 q_stride, const i64 *pos, i64 n, const float *k, i64 k_head,
+              const float *v, i64 v_head, i64 hkv, i64 group, i64 d, float scale, float *out,
+              i64 out_stride, float *density, int threads) {
+    rows_job_t jb = {q, q_stride, pos, n, k, v, k_head, v_head, hkv, group, d, scale, out, out_stride, 0, 0};
+    return rows_run(jb, density, threads);
+}
+
+/* attn_rows over a kv8 working set: `k`, `v` point at rows of D + 4 bytes; `k_head`, `v_head` in bytes. */
+int attn_rows_kv8(const float *q, i64 q_stride, const i64 *pos, i64 n, const uint8_t *k, i64 k_head,
+                  const uint8_t *v, i64 v_head, i64 hkv, i64 group, i64 d, float scale, float *out,
+                  i64 out_stride, float *density, int threads) {
+    rows_job_t jb = {q, q_stride, pos, n, k, v, k_head, v_head, hkv, group, d, scale, out, out_stride, 0, 1};
+    return rows_run(jb, density, threads);
 }

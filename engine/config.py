@@ -147,6 +147,10 @@ class EngineConfig:
     pages read slower there was not established; the default model's decode did not change). False
     keeps them mapped, one copy in the page cache shared by every process on the node (the service's
     choice: `actors.service.components`). Float weights and an untied embedding table stay mapped."""
+    kv_format: str = "float"
+    """How contexts' K/V is held in memory (engine/kvformat.py): `float` (the compute dtype) or `kv8`
+    (keys int8 and values fp8 e4m3, one scale per token and head: about a quarter of float32's
+    memory; lossy, so never under a lossless policy)."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -156,6 +160,8 @@ class EngineConfig:
         if self.max_context_tokens < 0:
             raise ValueError("max_context_tokens must be >= 0")
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
+        if self.kv_format not in ("float", "kv8"):  # engine.kvformat.KV_FORMATS (imports torch)
+            raise ValueError(f"unknown KV format {self.kv_format!r}; valid: float, kv8")
 
 
 def resolve_device_dtype(cfg: EngineConfig):

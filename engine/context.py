@@ -164,7 +164,7 @@ class ContextEngine:
             system_prompt=system_prompt,
             token_ids=ids,
             conv=conv,
-            cache=self.model.new_cache(round_up(len(ids) + 256, self.cfg.chunk_tokens)),
+            cache=self.model.new_cache(round_up(len(ids) + 256, self.cfg.chunk_tokens), self.cfg.kv_format),
             density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
             adapter=adapter,
         )
@@ -225,7 +225,7 @@ class ContextEngine:
         ids = ctx.token_ids
         tail_start = round_up(max(c, len(ids) - (keep - c)), c)  # newest whole chunks
         ctx.token_ids = ids[:c] + ids[tail_start:]
-        ctx.cache = self.model.new_cache(round_up(len(ctx.token_ids) + 256, c))
+        ctx.cache = self.model.new_cache(round_up(len(ctx.token_ids) + 256, c), self.cfg.kv_format)
         ctx.density.reset()
         ctx.overflows += 1
 
@@ -273,7 +273,8 @@ class ContextEngine:
             system_prompt=None,
             token_ids=list(ids),
             conv=Conversation(),
-            cache=self.model.new_cache(round_up(len(ids) + sp.max_tokens, self.cfg.chunk_tokens)),
+            cache=self.model.new_cache(round_up(len(ids) + sp.max_tokens, self.cfg.chunk_tokens),
+                                       self.cfg.kv_format),
             density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
             adapter=adapter,
         )

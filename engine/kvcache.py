@@ -10,8 +10,13 @@ writes into); such a cache has a fixed capacity. The buffer is divided into chun
 `chunk_tokens` slots. A chunk can be exported as a numpy array `[L, 2, Hkv, T, D]` (the layout the storage
 codecs use), dropped, and put back whole (or written layer by layer into `kv` and marked present).
 
+In the `kv8` format (engine/kvformat.py) the same tensor is uint8 `[L, 2, Hkv, capacity, D + 4]`: each
+slot holds its quantized row and the row's scale, so every chunk move above works on bytes unchanged,
+and K/V enter and leave as floats only through `write` and `layer_kv`.
+
 Invariant: attention only ever reads slots `< length` of chunks that are present. Dropped chunks are
-filled with NaN so that a read of missing K/V poisons the output instead of passing silently.
+filled with NaN (in `kv8`, their scales) so that a read of missing K/V poisons the output instead of
+passing silently.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine import kvformat
 from engine.config import ModelConfig, ceil_div, round_up
 
 
@@ -31,14 +37,19 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         capacity: int = 0,
+        kv_format: str = "float",
     ) -> None:
         self.cfg = cfg
         self.chunk_tokens = chunk_tokens
         self.device = device
         self.dtype = dtype
+        """The compute dtype: what `layer_kv` gives and `write` takes."""
+        self.kv_format = kvformat.check_format(kv_format)
+        if kv_format == "kv8" and cfg.head_dim % 4:
+            raise ValueError(f"the kv8 format needs a head dim divisible by 4, not {cfg.head_dim}")
         cap = round_up(max(capacity, chunk_tokens), chunk_tokens)
-        shape = (cfg.n_layers, 2, cfg.n_kv_heads, cap, cfg.head_dim)
-        self.kv = torch.empty(shape, device=device, dtype=dtype)  # kv: [L, 2, Hkv, cap, D]
+        self.kv = torch.empty(self._shape(cap), device=device, dtype=self._storage_dtype())
+        """[L, 2, Hkv, cap, D] in the compute dtype, or uint8 [L, 2, Hkv, cap, D + 4] in kv8."""
         self.fixed = False
         """True when `kv` wraps an external buffer: no growth."""
         self.length = 0
@@ -47,23 +58,72 @@ class KVCache:
         """Chunk indices whose slots hold no valid K/V."""
 
     @classmethod
-    def wrap(cls, cfg: ModelConfig, buffer: torch.Tensor, *, chunk_tokens: int) -> "KVCache":
-        """A cache over an existing `[L, 2, Hkv, capacity, D]` tensor (not copied, never grown)."""
-        expect = (cfg.n_layers, 2, cfg.n_kv_heads, buffer.shape[3], cfg.head_dim)
+    def wrap(cls, cfg: ModelConfig, buffer: torch.Tensor, *, chunk_tokens: int,
+             dtype: torch.dtype | None = None) -> "KVCache":
+        """A cache over an existing `[L, 2, Hkv, capacity, D]` tensor (not copied, never grown). A uint8
+        buffer with rows of `D + 4` is a `kv8` working set computed in `dtype` (default float32)."""
+        kv8 = buffer.dtype == torch.uint8
+        width = kvformat.row_bytes(cfg.head_dim) if kv8 else cfg.head_dim
+        expect = (cfg.n_layers, 2, cfg.n_kv_heads, buffer.shape[3], width)
         if tuple(buffer.shape) != expect:
             raise ValueError(f"KV buffer shape {tuple(buffer.shape)} does not match {expect}")
         c = cls.__new__(cls)
-        c.cfg, c.chunk_tokens, c.device, c.dtype = cfg, chunk_tokens, buffer.device, buffer.dtype
+        c.cfg, c.chunk_tokens, c.device = cfg, chunk_tokens, buffer.device
+        c.dtype = (dtype or torch.float32) if kv8 else buffer.dtype
+        c.kv_format = "kv8" if kv8 else "float"
         c.kv, c.fixed, c.length, c.missing = buffer, True, 0, set()
         return c
 
+    def _shape(self, cap: int) -> tuple[int, ...]:
+        d = kvformat.row_bytes(self.cfg.head_dim) if self.kv_format == "kv8" else self.cfg.head_dim
+        return (self.cfg.n_layers, 2, self.cfg.n_kv_heads, cap, d)
+
+    def _storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.kv_format == "kv8" else self.dtype
+
+    @property
+    def storage_name(self) -> str:
+        """How a chunk's array is typed for the storage codecs (`storage.codecs.COMPUTE_DTYPES`):
+        the compute dtype's name, or `kv8`."""
+        return "kv8" if self.kv_format == "kv8" else str(self.dtype).removeprefix("torch.")
+
     @property
     def k(self) -> torch.Tensor:
-        return self.kv[:, 0]  # [L, Hkv, cap, D]
+        """Keys `[L, Hkv, cap, D]` of a float working set (a view)."""
+        self._check_float()
+        return self.kv[:, 0]
 
     @property
     def v(self) -> torch.Tensor:
-        return self.kv[:, 1]  # [L, Hkv, cap, D]
+        """Values `[L, Hkv, cap, D]` of a float working set (a view)."""
+        self._check_float()
+        return self.kv[:, 1]
+
+    def _check_float(self) -> None:
+        if self.kv_format != "float":
+            raise TypeError(f"a {self.kv_format} working set has no float view; use layer_kv")
+
+    # ---- K/V of a layer as floats -------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, contiguous: bool) -> None:
+        """Store K and V `[Hkv, n, D]` of rows at positions `pos` (`contiguous`: `pos` is one run)."""
+        if self.kv_format == "kv8":
+            k, v = kvformat.pack_keys(k), kvformat.pack_values(v)
+        if contiguous:
+            s = int(pos[0])
+            n = k.shape[1]
+            self.kv[layer, 0, :, s : s + n] = k
+            self.kv[layer, 1, :, s : s + n] = v
+        else:
+            self.kv[layer, 0].index_copy_(1, pos, k)
+            self.kv[layer, 1].index_copy_(1, pos, v)
+
+    def layer_kv(self, layer: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[Hkv, n_tokens, D]` of slots `[0, n_tokens)` of `layer` in the compute dtype:
+        views of a float working set, de-quantized copies of a `kv8` one."""
+        k, v = self.kv[layer, 0, :, :n_tokens], self.kv[layer, 1, :, :n_tokens]
+        if self.kv_format == "kv8":
+            return kvformat.unpack_keys(k, self.dtype), kvformat.unpack_values(v, self.dtype)
+        return k, v
 
     # ---- geometry -------------------------------------------------------------------------
     @property
@@ -92,8 +152,7 @@ class KVCache:
         if self.fixed:
             raise ValueError(f"context of {n_tokens} tokens exceeds the working set of {self.capacity}")
         cap = round_up(max(n_tokens, 2 * self.capacity), self.chunk_tokens)
-        shape = (self.cfg.n_layers, 2, self.cfg.n_kv_heads, cap, self.cfg.head_dim)
-        kv = torch.empty(shape, device=self.device, dtype=self.dtype)
+        kv = torch.empty(self._shape(cap), device=self.device, dtype=self._storage_dtype())
         kv[:, :, :, : self.length].copy_(self.kv[:, :, :, : self.length])
         self.kv = kv
 
@@ -116,7 +175,8 @@ class KVCache:
         return self.kv[:, :, :, s:e]
 
     def export_chunk(self, i: int) -> np.ndarray:
-        """A copy of chunk `i` as `[L, 2, Hkv, T, D]` in the compute dtype (bf16 as a uint16 view)."""
+        """A copy of chunk `i` as `[L, 2, Hkv, T, D]` in the compute dtype (bf16 as a uint16 view; kv8 as
+        its uint8 rows)."""
         self._check_present(i)
         return _to_numpy(self.chunk_view(i))
 
@@ -131,13 +191,24 @@ class KVCache:
 
     def drop_chunk(self, i: int) -> None:
         """Mark chunk `i` missing and poison its slots."""
-        self.chunk_view(i).fill_(float("nan"))
+        if self.kv_format == "kv8":
+            kvformat.poison(self.chunk_view(i))
+        else:
+            self.chunk_view(i).fill_(float("nan"))
         self.missing.add(i)
 
     def put_chunk(self, i: int, kv: np.ndarray | torch.Tensor) -> None:
-        """Write chunk `i` from `[L, 2, Hkv, T, D]` and mark it present."""
+        """Write chunk `i` from `[L, 2, Hkv, T, D]` (in a kv8 working set: its uint8 rows, or floats,
+        which are packed) and mark it present."""
         view = self.chunk_view(i)
-        view.copy_(self._as_tensor(kv, tuple(view.shape)))
+        if self.kv_format == "kv8" and kv.dtype not in (np.uint8, torch.uint8):
+            t = torch.from_numpy(kv) if isinstance(kv, np.ndarray) else kv
+            expect = tuple(view.shape[:-1]) + (self.cfg.head_dim,)
+            if tuple(t.shape) != expect:
+                raise ValueError(f"chunk shape {tuple(t.shape)} does not match expected {expect}")
+            kvformat.pack(t.to(view.device), out=view)
+        else:
+            view.copy_(self._as_tensor(kv, tuple(view.shape)))
         self.missing.discard(i)
 
     def mark_present(self, chunks) -> None:

@@ -65,6 +65,8 @@ def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attn_forward.restype = ctypes.c_int
     lib.attn_rows.argtypes = lib.attn_forward.argtypes
     lib.attn_rows.restype = ctypes.c_int
+    lib.attn_rows_kv8.argtypes = lib.attn_forward.argtypes
+    lib.attn_rows_kv8.restype = ctypes.c_int
     lib.attn_openmp.argtypes = ()
     lib.attn_openmp.restype = ctypes.c_int
     return lib
@@ -261,13 +263,15 @@ class Transformer:
         model.fingerprint = fingerprint or ""
         return model
 
-    def new_cache(self, capacity: int = 0) -> KVCache:
+    def new_cache(self, capacity: int = 0, kv_format: str | None = None) -> KVCache:
+        """An empty working set for a context (`kv_format`: `EngineConfig.kv_format` unless given)."""
         return KVCache(
             self.cfg,
             chunk_tokens=self.engine_cfg.chunk_tokens,
             device=self.device,
             dtype=self.dtype,
             capacity=capacity,
+            kv_format=kv_format or self.engine_cfg.kv_format,
         )
 
     def warmup(self) -> None:
@@ -377,13 +381,7 @@ class Transformer:
         cos, sin_half = self.cos[pos].unsqueeze(1), self.sin_half[pos].unsqueeze(1)  # [n, 1, D], [n, 1, D/2]
         qk = apply_rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin_half)  # [n, Hq + Hkv, D]
         q, k = qk[:, :hq], qk[:, hq:]  # [n, Hq, D], [n, Hkv, D]
-        if contiguous:
-            s = int(pos[0])
-            cache.k[layer, :, s : s + n] = k.transpose(0, 1)
-            cache.v[layer, :, s : s + n] = v.transpose(0, 1)
-        else:
-            cache.k[layer].index_copy_(1, pos, k.transpose(0, 1))
-            cache.v[layer].index_copy_(1, pos, v.transpose(0, 1))
+        cache.write(layer, k.transpose(0, 1), v.transpose(0, 1), pos, contiguous)
         if sdpa:
             attn = self._attend_sdpa(layer, q, pos, cache)
         elif self._native_rows(n, pos):
@@ -420,8 +418,7 @@ class Transformer:
         dev = q.device
         qg = (q * self.scale).view(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d)  # [Hkv, n G, D]
         s_all = int(pos[-1]) + 1
-        keys = cache.k[layer, :, :s_all]  # [Hkv, S, D]
-        vals = cache.v[layer, :, :s_all]  # [Hkv, S, D]
+        keys, vals = cache.layer_kv(layer, s_all)  # [Hkv, S, D] each
         rows = self.engine_cfg.attention_block_rows or max(
             16, min(MAX_BLOCK_ROWS, SCORE_BUDGET_BYTES // (4 * cfg.n_heads * s_all)))
         rows = -(-n // -(-n // rows))  # equal blocks: no short last block
@@ -473,16 +470,23 @@ class Transformer:
         (dot products with each key row, one item per row and query head)."""
         cfg = self.cfg
         n, d = q.shape[0], cfg.head_dim
-        k, v = cache.k[layer], cache.v[layer]  # [Hkv, T, D]
-        if q.stride(2) != 1 or q.stride(1) != d or k.stride(1) != d or v.stride(1) != d:
+        lib = attention_kernel()
+        many = n >= NATIVE_MIN_ROWS and 8 * n >= int(pos[-1]) + 1
+        kernel = lib.attn_forward if many else lib.attn_rows
+        if cache.kv_format == "float":
+            k, v = cache.k[layer], cache.v[layer]  # [Hkv, T, D]
+        elif many:  # one layer de-quantized: attn_forward copies the keys (transposed) anyway
+            k, v = cache.layer_kv(layer, int(pos[-1]) + 1)
+        else:  # rows of D + 4 bytes, de-quantized as they are read
+            k, v, kernel = cache.kv[layer, 0], cache.kv[layer, 1], lib.attn_rows_kv8
+        width = k.shape[-1]
+        if q.stride(2) != 1 or q.stride(1) != d or k.stride(1) != width or v.stride(1) != width:
             raise RuntimeError("attention kernel needs rows of contiguous heads")
         pos = pos if pos.dtype == torch.int64 and pos.is_contiguous() else pos.to(torch.int64).contiguous()
         if density is not None and not (density.dtype == torch.float32 and density.is_contiguous()):
             raise RuntimeError("density must be a contiguous float32 tensor")
         out = torch.empty(n, cfg.n_heads * d, dtype=q.dtype, device=q.device)
-        lib = attention_kernel()
-        many = n >= NATIVE_MIN_ROWS and 8 * n >= int(pos[-1]) + 1
-        rc = (lib.attn_forward if many else lib.attn_rows)(
+        rc = kernel(
             q.data_ptr(), q.stride(0), pos.data_ptr(), n, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             cfg.n_kv_heads, cfg.group, d, self.scale, out.data_ptr(), out.stride(0),
             density.data_ptr() if density is not None else None, torch.get_num_threads())
@@ -494,8 +498,7 @@ class Transformer:
         cfg = self.cfg
         n = q.shape[0]
         s_all = int(pos[-1]) + 1
-        keys = cache.k[layer, :, :s_all].unsqueeze(0)  # [1, Hkv, S, D]
-        vals = cache.v[layer, :, :s_all].unsqueeze(0)
+        keys, vals = (t.unsqueeze(0) for t in cache.layer_kv(layer, s_all))  # [1, Hkv, S, D] each
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         mask, causal = None, False
         if n == s_all:  # a prefill from position 0: the fused kernel's own causal mask fits

@@ -25,8 +25,9 @@ from scheduler.errors import UnknownLevelError
 
 #: nominal bits per value of the fixed-width levels (``raw`` depends on the compute dtype)
 _FIXED_BITS: dict[str, int] = {"fp16": 16, "bf16": 16, "q8": 8, "q4": 4, "q2": 2}
-#: nominal bits of ``raw`` per compute dtype name (bfloat16 travels as uint16 bits)
-RAW_BITS: dict[str, int] = {"float32": 32, "float16": 16, "bfloat16": 16}
+#: nominal bits of ``raw`` per compute dtype name (bfloat16 travels as uint16 bits; ``kv8`` is a
+#: quantized working set's own rows: int8 keys, fp8 values, a scale per token and head)
+RAW_BITS: dict[str, int] = {"float32": 32, "float16": 16, "bfloat16": 16, "kv8": 8}
 #: weight rank per level: higher is heavier (more stored bytes per chunk), evicted first by LCTRU
 RANK: dict[str, int] = {"raw": 5, "fp16": 4, "bf16": 4, "q8": 3, "q4": 2, "q2": 1}
 #: every level name, heaviest first

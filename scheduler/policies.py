@@ -87,9 +87,13 @@ class PolicySet:
         self.compression_config()  # validates levels, static_level and global_ratio
 
     def compression_config(self, dtype: str = "float32") -> CompressionConfig:
-        """The compression planner's configuration under this policy, for compute dtype ``dtype``."""
+        """The compression planner's configuration under this policy, for compute dtype ``dtype``. The
+        tolerance levels are those lighter than ``raw`` in that dtype (a ``kv8`` working set's chunks
+        are already 8-bit: q4 and q2 remain)."""
+        raw = L.nominal_bits("raw", dtype)
+        levels = tuple(lv for lv in self.levels if L.nominal_bits(lv, dtype) < raw)
         return CompressionConfig(mode=self.compression, global_ratio=self.global_ratio,
-                                 levels=self.levels, static_level=self.static_level, dtype=dtype)
+                                 levels=levels, static_level=self.static_level, dtype=dtype)
 
     def eviction_strategy(self) -> EvictionStrategy:
         """A new eviction strategy object for this policy's queue."""

@@ -40,6 +40,12 @@ record layout are stated there. Float conversions (:mod:`storage.floatcast`) run
 vectorised kernels when the process has already imported torch; this module never imports it, and
 the bytes are the same either way. :func:`encode_many` / :func:`decode_many` take an executor:
 numpy, torch and the compiled kernels release the GIL.
+
+A ``kv8`` working set (engine/kvformat.py: int8 keys, fp8 e4m3 values, a float32 scale per token and
+head) hands over its chunks as uint8 ``[L, 2, Hkv, T, D + 4]``: ``raw`` stores those bytes as they are;
+the other levels encode the de-quantized values (converted through torch, imported then) and decode
+back into kv8 rows, re-quantized once. An :class:`EncodedChunk`'s ``shape`` is always the logical
+``[L, 2, Hkv, T, D]``; :func:`array_shape` gives the array's.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -66,9 +72,11 @@ COMPUTE_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(np.uint16),
+    "kv8": np.dtype(np.uint8),
 }
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-                np.dtype(np.uint16): "bfloat16"}
+                np.dtype(np.uint16): "bfloat16", np.dtype(np.uint8): "kv8"}
+KV8_SCALE_BYTES = 4  # engine.kvformat.SCALE_BYTES: a kv8 row is D values and a float32 scale
 _F16, _U8, _U16 = np.float16, np.uint8, np.uint16
 
 
@@ -104,12 +112,42 @@ class EncodedChunk:
 
 
 def dtype_name(kv: np.ndarray) -> str:
-    """Compute dtype name of an array (uint16 means bfloat16 bits)."""
+    """Compute dtype name of an array (uint16 means bfloat16 bits, uint8 kv8 rows)."""
     try:
         return _DTYPE_NAMES[kv.dtype]
     except KeyError:
         raise ValueError(f"unsupported KV dtype {kv.dtype}; valid: float32, float16, "
-                         "uint16 (bfloat16 bits)") from None
+                         "uint16 (bfloat16 bits), uint8 (kv8 rows)") from None
+
+
+def array_shape(shape: Sequence[int], dtype: str) -> tuple[int, ...]:
+    """The shape of the array that carries K/V of logical ``shape`` (``[..., D]``) in ``dtype``."""
+    shape = tuple(int(v) for v in shape)
+    return shape[:-1] + (shape[-1] + KV8_SCALE_BYTES,) if dtype == "kv8" else shape
+
+
+def _logical_shape(kv: np.ndarray, dtype: str) -> tuple[int, ...]:
+    if dtype != "kv8":
+        return kv.shape
+    if kv.shape[-1] <= KV8_SCALE_BYTES:
+        raise ValueError(f"kv8 rows of {kv.shape[-1]} bytes hold no values")
+    return kv.shape[:-1] + (kv.shape[-1] - KV8_SCALE_BYTES,)
+
+
+def _kv8_to_f32(kv: np.ndarray) -> np.ndarray:
+    import torch  # only kv8 chunks encoded at another level come here
+
+    from engine import kvformat
+
+    return kvformat.unpack(torch.from_numpy(np.ascontiguousarray(kv))).numpy()
+
+
+def _f32_to_kv8(x: np.ndarray, out: np.ndarray) -> None:
+    import torch
+
+    from engine import kvformat
+
+    kvformat.pack(torch.from_numpy(x), out=torch.from_numpy(out))
 
 
 class Codec(Protocol):
@@ -147,13 +185,13 @@ class _Raw:
         return COMPUTE_DTYPES[dtype].itemsize * 8
 
     def record_nbytes(self, layer_shape, dtype, params=""):
-        return math.prod(layer_shape) * COMPUTE_DTYPES[dtype].itemsize
+        return math.prod(array_shape(layer_shape, dtype)) * COMPUTE_DTYPES[dtype].itemsize
 
     def encode(self, kv, dtype):
         return _copy_records(kv), ""
 
     def decode(self, enc, out, stream=False):
-        src = enc.payload.view(COMPUTE_DTYPES[enc.dtype]).reshape(enc.shape)
+        src = enc.payload.view(COMPUTE_DTYPES[enc.dtype]).reshape(array_shape(enc.shape, enc.dtype))
         t = torch_if_loaded(out, src) if enc.dtype == "float32" else None
         if t is None:
             np.copyto(out, src)
@@ -234,13 +272,16 @@ def stored_nbytes(level: str, shape: Sequence[int], dtype: str = "float32",
 
 def encode(kv: np.ndarray, level: str, *, dtype: str | None = None,
            first_layer: int = 0) -> EncodedChunk:
-    """Encode ``kv`` [L,2,Hkv,T,D] (compute dtype; uint16 = bfloat16 bits) at ``level``."""
+    """Encode ``kv`` [L,2,Hkv,T,D] (compute dtype; uint16 = bfloat16 bits; kv8 rows) at ``level``."""
     c = codec(level)
-    shape = _check_shape(kv.shape)
     dtype = dtype or dtype_name(kv)
-    if COMPUTE_DTYPES[dtype] != kv.dtype:
+    if COMPUTE_DTYPES.get(dtype) != kv.dtype:
         raise ValueError(f"dtype {dtype!r} does not match array dtype {kv.dtype}")
-    payload, params = c.encode(kv, dtype)
+    shape = _check_shape(_logical_shape(kv, dtype))
+    if dtype == "kv8" and c.name != "raw":
+        payload, params = c.encode(_kv8_to_f32(kv), "float32")
+    else:
+        payload, params = c.encode(kv, dtype)
     return EncodedChunk(c.name, c.version, dtype, shape, first_layer, params,
                         np.ascontiguousarray(payload))
 
@@ -261,11 +302,17 @@ def decode(enc: EncodedChunk, out: np.ndarray | None = None, *, stream: bool = F
             enc.shape[0], c.record_nbytes(enc.shape[1:], enc.dtype, enc.params or "f16")):
         raise CorruptChunkError(f"{enc.level} payload of shape {enc.payload.shape} does not fit "
                                 f"chunk shape {enc.shape}")
+    shape = array_shape(enc.shape, enc.dtype)
     if out is None:
-        out = np.empty(enc.shape, want)
-    elif out.shape != tuple(enc.shape) or out.dtype != want:
-        raise ValueError(f"out must be {want} {tuple(enc.shape)}, got {out.dtype} {out.shape}")
-    c.decode(enc, out, stream=stream)
+        out = np.empty(shape, want)
+    elif out.shape != shape or out.dtype != want:
+        raise ValueError(f"out must be {want} {shape}, got {out.dtype} {out.shape}")
+    if enc.dtype == "kv8" and c.name != "raw":  # re-quantized once from the level's values
+        x = np.empty(enc.shape, np.float32)
+        c.decode(replace(enc, dtype="float32"), x)
+        _f32_to_kv8(x, out)
+    else:
+        c.decode(enc, out, stream=stream)
     return out
 
 

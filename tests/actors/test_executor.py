@@ -27,8 +27,9 @@ class FakeModel:
     cfg = CFG
     dtype = torch.float32
 
-    def new_cache(self, capacity: int = 0) -> KVCache:
-        return KVCache(CFG, chunk_tokens=CHUNK, device=torch.device("cpu"), dtype=torch.float32, capacity=capacity)
+    def new_cache(self, capacity: int = 0, kv_format: str | None = None) -> KVCache:
+        return KVCache(CFG, chunk_tokens=CHUNK, device=torch.device("cpu"), dtype=torch.float32, capacity=capacity,
+                       kv_format=kv_format or "float")
 
 
 class FakeTok:

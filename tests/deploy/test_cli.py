@@ -68,3 +68,25 @@ def test_generate_under_a_lora_adapter(engine, tmp_path):
     assert r.stdout == expected + "\n"
     r = run("generate", "--prompt", PROMPT, "--adapter", str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "no adapter at" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_and_serve_take_a_kv_format(engine):
+    """`--kv-format kv8`: the reply is the engine's on a kv8 working set; `serve` refuses kv8 under a
+    lossless policy before starting anything."""
+    import pytest
+
+    from deploy.cli import build_parser
+    from deploy.server import options_from_args
+    from engine.config import EngineConfig
+    from engine.context import ContextEngine
+
+    kv8 = ContextEngine(engine.model, engine.tok, EngineConfig(kv_format="kv8"))
+    expected = kv8.call(kv8.new_ctx(), PROMPT, max_tokens=12).text
+    r = run("generate", "--chat", "--prompt", PROMPT, "--max-tokens", "12", "--kv-format", "kv8")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+    args = build_parser().parse_args(["serve", "--kv-format", "kv8", "--data-dir", "/tmp/unused"])
+    assert options_from_args(args)["kv_format"] == "kv8"
+    args = build_parser().parse_args(["serve", "--kv-format", "kv8", "--policy", "swap", "--data-dir", "/tmp/x"])
+    with pytest.raises(ValueError, match="lossless"):
+        options_from_args(args)

@@ -120,3 +120,31 @@ def test_an_adapter_on_the_device_matches_the_same_adapter_on_the_cpu(checkpoint
     agree = (got16.argmax(-1) == want.argmax(-1)).float().mean().item()
     print(f"adapter on {DEVICE}, int4 weights: top-1 agreement of bfloat16 with float32 compute {agree:.3f}")
     assert torch.isfinite(got16).all() and agree >= 0.85
+
+
+def test_a_kv8_working_set_on_the_device_matches_the_cpu(checkpoint):
+    """The kv8 working set (engine/kvformat.py) on the device: packed and de-quantized there, its
+    logits follow the CPU's kv8 run (a code may round the other way where the device's K/V differ in
+    the last bits), chunks leave and come back as the same bytes, and bfloat16 compute over it picks
+    the float32 run's top-1 token at most positions."""
+    import numpy as np
+
+    host = _load(checkpoint, "cpu", "fp32")
+    dev = _load(checkpoint, DEVICE, "fp32")
+    seq = _ids(N_PROMPT, 4)
+    ref = host.forward(host.new_cache(N_PROMPT, "kv8"), seq, all_logits=True)
+    cache = dev.new_cache(N_PROMPT, "kv8")
+    assert cache.kv.dtype == torch.uint8 and cache.kv.device.type == torch.device(DEVICE).type
+    got = dev.forward(cache, seq, all_logits=True)
+    err = (got.cpu() - ref).abs().max().item()
+    print(f"kv8 on {DEVICE}: max |logit diff| to the CPU {err:.2e}")
+    assert err < 2e-2 * max(ref.abs().max().item(), 1.0)
+    rows = cache.export_chunk(2)
+    cache.drop_chunk(2)
+    cache.put_chunk(2, rows)
+    assert np.array_equal(cache.export_chunk(2), rows)
+    b16 = _load(checkpoint, DEVICE, "fp32", "bfloat16")
+    b = b16.forward(b16.new_cache(N_PROMPT, "kv8"), seq, all_logits=True)
+    agree = (b.float().cpu().argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"kv8 on {DEVICE}: top-1 agreement bfloat16 against float32 compute {agree:.3f}")
+    assert torch.isfinite(b).all() and agree >= 0.85

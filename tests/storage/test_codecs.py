@@ -335,3 +335,44 @@ def test_real_kv_round_trips(real_kv):
         rel[level] = (num / den) ** 0.5
     assert rel["raw"] == 0 and rel["fp16"] < 1e-3 and rel["bf16"] < 5e-3
     assert rel["q8"] < 0.01 < rel["q2"] and rel["q8"] < rel["q4"] < rel["q2"]
+
+
+def test_kv8_rows_store_as_they_are_and_lower_once_with_compounding_error(real_kv, tmp_path):
+    """A kv8 working set's chunks (uint8 rows of D + 4: engine/kvformat.py): `raw` keeps their bytes,
+    sized by the logical shape, through a chunk file too; q4 and q2 encode the de-quantized values and
+    decode back into rows. The errors against the float K/V compound about as independent noise does
+    (q4 keys 0.031 from float, 0.034 from kv8, against sqrt(0.031^2 + 0.011^2) = 0.033)."""
+    import torch
+
+    from engine import kvformat
+    from storage.chunkstore import ChunkStore
+
+    rows = kvformat.pack(torch.from_numpy(real_kv)).numpy()  # [L, 2, Hkv, T, D + 4]
+    chunks = [np.ascontiguousarray(rows[:, :, :, s:s + 16]) for s in range(0, rows.shape[3], 16)]
+    logical = chunks[0].shape[:-1] + (real_kv.shape[-1],)
+    enc = codecs.encode(chunks[0], "raw")
+    assert enc.dtype == "kv8" and enc.shape == logical and enc.payload.tobytes() == chunks[0].tobytes()
+    assert codecs.stored_nbytes("raw", logical, "kv8") == chunks[0].nbytes == enc.nbytes
+    assert codecs.nominal_bits("raw", "kv8") == 8
+    store = ChunkStore(tmp_path, fingerprint="fp;kv=kv8")
+    store.write("0123abcd", 0, enc, 0)
+    [(_, back)] = list(store.read("0123abcd", [0]))
+    assert np.array_equal(codecs.decode(back), chunks[0])
+
+    def rel(y, part):
+        x = real_kv[:, part]
+        return float(np.linalg.norm(y[:, part] - x) / np.linalg.norm(x))
+
+    kv8_err = [rel(kvformat.unpack(torch.from_numpy(rows)).numpy(), p) for p in (0, 1)]
+    for level in ("q4", "q2"):
+        encs = [codecs.encode(c, level) for c in chunks]
+        assert all(e.dtype == "kv8" and e.shape == logical for e in encs)
+        assert encs[0].nbytes == codecs.stored_nbytes(level, logical, "kv8")
+        back = np.concatenate([codecs.decode(e) for e in encs], axis=3)
+        assert back.dtype == np.uint8 and back.shape == rows.shape
+        from_kv8 = kvformat.unpack(torch.from_numpy(back)).numpy()
+        from_float = np.concatenate([codecs.decode(codecs.encode(np.ascontiguousarray(real_kv[:, :, :, s:s + 16]),
+                                                                 level)) for s in range(0, real_kv.shape[3], 16)], axis=3)
+        for part in (0, 1):
+            alone, compound = rel(from_float, part), rel(from_kv8, part)
+            assert alone < compound < 1.25 * (alone**2 + kv8_err[part] ** 2) ** 0.5, (level, part, alone, compound)
