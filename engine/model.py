@@ -232,6 +232,9 @@ class Transformer:
         """Query rows computed by recompute."""
         self.fingerprint = ""
         """Identity of the weights when loaded from a resolved model (`engine.loader.ResolvedModel`)."""
+        self.step_hook = None
+        """Called as `step_hook(step, layer)` after each step of a block (`qkv`, `attention`, `mlp`):
+        where `engine.memtrack.TensorTracker.mark` measures the prefill memory estimate's steps."""
 
 
     @property
@@ -318,6 +321,8 @@ class Transformer:
             for layer in range(self.cfg.n_layers):
                 x = self._layer(layer, x, pos, cache, contiguous=True, density=density, sdpa=sdpa,
                                 adapter=adapter)
+                if self.step_hook is not None:  # after the block's locals are gone
+                    self.step_hook("mlp", layer)
         except BaseException:
             cache.truncate(start)
             raise
@@ -382,6 +387,8 @@ class Transformer:
         qk = apply_rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin_half)  # [n, Hq + Hkv, D]
         q, k = qk[:, :hq], qk[:, hq:]  # [n, Hq, D], [n, Hkv, D]
         cache.write(layer, k.transpose(0, 1), v.transpose(0, 1), pos, contiguous)
+        if self.step_hook is not None:
+            self.step_hook("qkv", layer)
         if sdpa:
             attn = self._attend_sdpa(layer, q, pos, cache)
         elif self._native_rows(n, pos):
@@ -393,6 +400,8 @@ class Transformer:
         w.wo.add_into(x, attn)
         if "wo" in lora:
             lora["wo"].add_into(x, attn)
+        if self.step_hook is not None:
+            self.step_hook("attention", layer)
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate_up = w.w_gate_up(h)  # [n, 2 I]
         if "w_gate_up" in lora:

@@ -1,0 +1,70 @@
+"""The tensor tracker (engine/memtrack.py) and, against it, the prefill memory estimate
+(scheduler/prefill.py): every step of a block within 20% (issue 28 asks that much; it is exact to a
+fraction of a percent here) for several prompt lengths, a context that already holds tokens, float
+and int4 weights, float32 and bfloat16 compute, float and kv8 working sets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.memtrack import TensorTracker
+from engine.model import Transformer
+from scheduler.prefill import PrefillShape, estimate_steps
+
+
+def test_the_tracker_counts_new_storages_until_they_are_freed():
+    base = torch.zeros(1000)
+    with TensorTracker() as tr:
+        a = torch.empty(256)  # 1 KiB
+        v = a[10:].view(2, 123)  # a view: nothing new
+        base.add_(1)  # in place into a storage made before: not counted
+        b = a * 2  # 1 KiB more
+        tr.mark("two")
+        del a, b
+        tr.mark("one")  # the view keeps a's storage
+        del v
+        tr.mark("none")
+    assert [(s.name, s.peak, s.retained) for s in tr.steps] == [("two", 2048, 2048), ("one", 2048, 1024),
+                                                                 ("none", 1024, 0)]
+
+
+def _shape(model: Transformer, weights: str, kv_format: str) -> PrefillShape:
+    c = model.cfg
+    a = torch.finfo(model.dtype).bits // 8
+    quantized = weights != "fp32"
+    return PrefillShape(c.hidden_size, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
+                        act_bytes=a, kv8=kv_format == "kv8",
+                        qkv_weight_bytes=a * c.hidden_size * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+                        if quantized else 0,
+                        mlp_weight_bytes=a * c.hidden_size * 2 * c.intermediate_size if quantized else 0)
+
+
+@pytest.mark.parametrize("weights, dtype, kv_format", [("fp32", "float32", "float"), ("int4", "float32", "kv8"),
+                                                       ("fp32", "bfloat16", "float")])
+def test_the_estimate_of_each_step_matches_the_tracked_tensors(resolved_model, weights, dtype, kv_format):
+    model = Transformer.from_directory(resolved_model.directory,
+                                       EngineConfig(weights=weights, dtype=dtype, native_attention=False),
+                                       fingerprint=resolved_model.fingerprint)
+    shape = _shape(model, weights, kv_format)
+    for new, cached in ((512, 0), (300, 700)):
+        cache = model.new_cache(new + cached, kv_format)
+        if cached:
+            model.forward(cache, list(range(5, 5 + cached)))
+        density = torch.zeros(new + cached)
+        tracker = TensorTracker(ignore=[cache.kv, density])
+        model.step_hook = tracker.mark
+        try:
+            with tracker:
+                model.forward(cache, list(range(100, 100 + new)), density=density)
+        finally:
+            model.step_hook = None
+        est = {e.name: e for e in estimate_steps(shape, new, cached)}
+        tracked = tracker.steps
+        assert len(tracked) == 3 * model.cfg.n_layers
+        for s in tracked:
+            e = est[s.name]
+            assert s.peak > 1 << 20, s  # steps of a few MB: the comparison means something
+            assert abs(e.peak / s.peak - 1) < 0.2, (weights, dtype, kv_format, new, cached, s, e)
+            assert abs(e.retained - s.retained) <= 0.2 * max(s.retained, 1 << 20), (s, e)

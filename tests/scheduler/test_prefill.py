@@ -1,0 +1,64 @@
+"""The prefill memory estimate (HyperGen Table 1 generalised) and the partition planner, on a small
+shape worked out by hand: H 64, I 128, 2 layers, 4 query and 2 K/V heads of 16, float32, the torch
+attention kernel. For p rows against S keys (blocks of b rows):
+
+    qkv       x + h + QKV + rope + QK         = (256 + 256 + 512 + 96 + 384) p       = 1504 p
+    attention 1504 p + 3 out + scores/probs + column sums = 2272 p + 32 b S + 8 S
+    mlp       1504 p + out + gate/up          = 1760 p + 1024 p                       = 2784 p
+
+and K/V is 256 bytes a token a layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.prefill import PrefillShape, estimate_steps, kv_bytes, plan_prefill
+
+SHAPE = PrefillShape(hidden=64, intermediate=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
+
+
+def test_steps_of_a_block_by_hand():
+    steps = {s.name: s for s in estimate_steps(SHAPE, 64, 0)}
+    assert steps["qkv"].peak == steps["qkv"].retained == 1504 * 64
+    assert steps["attention"].peak == 2272 * 64 + 32 * 64 * 64 + 8 * 64
+    assert steps["attention"].retained == 1760 * 64
+    assert steps["mlp"].peak == 2784 * 64 and steps["mlp"].retained == 256 * 64  # only x stays
+    assert kv_bytes(SHAPE, 64) == 512 * 64 and kv_bytes(SHAPE, 64, 1) == 256 * 64
+
+
+def test_weights_and_kv8_add_their_transients():
+    q = PrefillShape(**{**_fields(SHAPE), "qkv_weight_bytes": 10**6, "mlp_weight_bytes": 2 * 10**6, "kv8": True})
+    steps = {s.name: s for s in estimate_steps(q, 64, 0)}
+    assert steps["qkv"].peak == (256 + 256 + 512) * 64 + 10**6  # the weight is freed before the rotation
+    assert steps["mlp"].peak == 2784 * 64 + 2 * 10**6
+    assert steps["attention"].peak == 2272 * 64 + 32 * 64 * 64 + 8 * 64 + 2 * 4 * 2 * 64 * 16
+    few = {s.name: s for s in estimate_steps(q, 8, 0)}  # 8 rows run the products from the stored weights
+    assert few["mlp"].peak == 2784 * 8
+
+
+def _fields(shape):
+    return {f: getattr(shape, f) for f in shape.__slots__}
+
+
+@pytest.mark.parametrize("budget, kind, rows, spill, peak", [
+    (309760, "none", 64, False, 276992 + 32768),  # the attention step beside all K/V
+    (309759, "moderate", 32, False, 179712),  # 2 partitions: 138752 + x of the other 32 rows 8192 + K/V 32768
+    (200000, "moderate", 32, False, 179712),
+    (110000, "severe", 16, False, 98304),  # 69632 + x of 48 rows 12288 + one layer's K/V 16384
+    (90000, "severe", 16, True, 86016),  # the hidden state spilled: 69632 + 16384
+    (80000, "refuse", 16, True, 86016),
+])
+def test_the_planner_picks_the_lightest_plan_that_fits(budget, kind, rows, spill, peak):
+    plan = plan_prefill(SHAPE, 64, 0, budget)
+    assert (plan.kind, plan.partition_rows, plan.spill_hidden, plan.peak) == (kind, rows, spill, peak)
+    assert plan.partitions == 64 // rows
+    assert ("over the budget" in plan.describe()) == (kind == "refuse")
+
+
+def test_cached_tokens_count_as_keys_and_as_kv():
+    alone = plan_prefill(SHAPE, 64, 0, 10**9)
+    after = plan_prefill(SHAPE, 64, 1000, 10**9)
+    assert after.kind == "none" and after.peak > alone.peak + kv_bytes(SHAPE, 1000)
+    with pytest.raises(ValueError, match="new"):
+        plan_prefill(SHAPE, 0, 0, 10**6)
