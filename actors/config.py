@@ -34,8 +34,9 @@ class ServiceConfig:
     """Memory policy set (scheduler.policies.POLICIES)."""
     pool_bytes: int = 256 << 20
     """KV pool budget: resident chunks as stored, bytes."""
-    max_context_tokens: int = 4096
-    """Longest context before overflow handling, tokens (also the working set's size)."""
+    max_context_tokens: int = 0
+    """Longest context before overflow handling, tokens (also the working set's size); 0: the model's
+    position limit (8,192 for the default model)."""
     max_contexts_per_app: int = 0
     """Per-app limit K of contexts; 0 for none."""
     read_bytes_per_s: float = 0.0

@@ -297,7 +297,8 @@ class ModelExecutor:
             text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens, switch_ms=0.0, restore=RestoreStats(), predicted_restore_ms=0.0,
             model_restore_ms=0.0, ttft_s=r.ttft_s, total_s=time.perf_counter() - t0,
-            prefilled_tokens=r.prefilled_tokens, cached_tokens=r.cached_tokens)
+            prefilled_tokens=r.prefilled_tokens, cached_tokens=r.cached_tokens, context_tokens=r.context_tokens,
+            dropped_tokens=r.dropped_tokens)
 
     def stream_stateless(self, system_prompt: str | None, history, prompt: str, params: dict):
         """`call_stateless` as the port has it: text deltas, then the `CallOutcome` as the last item."""
@@ -374,7 +375,8 @@ class ModelExecutor:
             model_restore_ms=step.plan.model_predicted_s * 1000 if not step.cached else 0.0,
             ttft_s=t_engine - t0 + r.ttft_s,  # from the call's arrival: the switch is inside
             total_s=time.perf_counter() - t0, prefilled_tokens=r.prefilled_tokens,
-            cached_tokens=r.cached_tokens, hit=step.cached)
+            cached_tokens=r.cached_tokens, hit=step.cached, context_tokens=r.context_tokens,
+            dropped_tokens=r.dropped_tokens)
 
     # ---- the call's steps ---------------------------------------------------------------------------
     def _lock_and_plan(self, app: str | None, ctx_id: str, behind: bool = False) -> "_Step":
@@ -425,7 +427,8 @@ class ModelExecutor:
                            finish_reason=done.get("finish_reason", "stop"),
                            prompt_tokens=done.get("prompt_tokens", 0), completion_tokens=done.get("completion_tokens", 0),
                            switch_ms=0.0, restore=RestoreStats(), predicted_restore_ms=0.0, model_restore_ms=0.0,
-                           ttft_s=0.0, total_s=0.0, prefilled_tokens=0, cached_tokens=0, hit=True)
+                           ttft_s=0.0, total_s=0.0, prefilled_tokens=0, cached_tokens=0, hit=True,
+                           context_tokens=done.get("context_tokens", 0), dropped_tokens=done.get("dropped_tokens", 0))
 
     def _restore_step(self, step: "_Step") -> RestoreStats:
         """Make the context's K/V attendable (nothing to do on a hit); the restore's own wall time is
@@ -532,7 +535,8 @@ class ModelExecutor:
         }
         if request_id is not None:  # what a retry of this call is answered with
             state["request"] = {"id": request_id, "finish_reason": r.finish_reason, "token_ids": list(r.token_ids),
-                                "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens}
+                                "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                                "context_tokens": r.context_tokens, "dropped_tokens": r.dropped_tokens}
         text = self.engine.tok.decode(ectx.token_ids)
         state_json, density = json.dumps(state), density_blob(ectx.density)
         reply = self.gov.commit_call(plan.ctx, ectx.token_ids, text, state_json, density, ectx.cache.length,

@@ -201,7 +201,7 @@ class CallOutcome:
     finish_reason: str
     """`stop`, `length` or the stop string's reason, as the engine gives it."""
     prompt_tokens: int
-    """Tokens of the conversation the model saw for this turn."""
+    """Tokens the user turn added."""
     completion_tokens: int
     """Tokens generated."""
     switch_ms: float
@@ -223,6 +223,11 @@ class CallOutcome:
     """Tokens whose K/V was restored rather than prefilled."""
     hit: bool = False
     """The working set still held the whole context: nothing was restored."""
+    context_tokens: int = 0
+    """Tokens the model attended when it began the reply (the conversation so far, after any overflow;
+    the OpenAI route's `usage.prompt_tokens`)."""
+    dropped_tokens: int = 0
+    """Tokens the overflow rule cut from the context's start during this call."""
 
 
 @dataclass(slots=True)

@@ -152,8 +152,11 @@ def _bearer(request: Request) -> str:
 
 
 def _usage(o: dict) -> dict:
-    return {"prompt_tokens": o["prompt_tokens"], "completion_tokens": o["completion_tokens"],
-            "total_tokens": o["prompt_tokens"] + o["completion_tokens"]}
+    """OpenAI's usage: the prompt is every token the model attended for the reply (the conversation so
+    far, after any overflow), not only the new turn's."""
+    prompt = o["context_tokens"] or o["prompt_tokens"]  # a retried call's answer from before these fields
+    return {"prompt_tokens": prompt, "completion_tokens": o["completion_tokens"],
+            "total_tokens": prompt + o["completion_tokens"]}
 
 
 def _call_reply(o: dict) -> dict:
@@ -164,7 +167,8 @@ def _call_reply(o: dict) -> dict:
         "restore": {"resident": r["resident"], "loaded": r["loaded"], "loaded_bytes": r["loaded_bytes"],
                     "recomputed": r["recomputed"], "faults": r["faults"],
                     "predicted_ms": o["predicted_restore_ms"]},
-        "cached_tokens": o["cached_tokens"],
+        "cached_tokens": o["cached_tokens"], "turn_tokens": o["prompt_tokens"],
+        "dropped_tokens": o["dropped_tokens"],
     }
 
 
@@ -467,13 +471,14 @@ class Ingress:
             return sse_response(
                 head, events, lambda d: chunk({"content": d}),
                 lambda o: chunk({}, o["finish_reason"], usage=_usage(o), context_id=body.context_id,
-                                switch_ms=o["switch_ms"]),
+                                switch_ms=o["switch_ms"], dropped_tokens=o["dropped_tokens"]),
                 first=chunk({"role": "assistant", "content": ""}))
         o = await outcome(head, events)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},
                              "finish_reason": o["finish_reason"]}],
-                "usage": _usage(o), "context_id": body.context_id, "switch_ms": o["switch_ms"]}
+                "usage": _usage(o), "context_id": body.context_id, "switch_ms": o["switch_ms"],
+                "dropped_tokens": o["dropped_tokens"]}
 
 
 def build(args: dict | None = None):

@@ -147,6 +147,11 @@ class EngineConfig:
     pages read slower there was not established; the default model's decode did not change). False
     keeps them mapped, one copy in the page cache shared by every process on the node (the service's
     choice: `actors.service.components`). Float weights and an untied embedding table stay mapped."""
+    prefill_partition_rows: int = 512
+    """A prefill of more new tokens runs layer by layer in partitions of this many rows (each
+    partition's rows through a whole layer before the next partition: exact under the causal mask),
+    so that its transient tensors are those of this many rows, not of the whole prompt
+    (scheduler/prefill.py estimates both); 0: always one pass."""
     kv_format: str = "float"
     """How contexts' K/V is held in memory (engine/kvformat.py): `float` (the compute dtype) or `kv8`
     (keys int8 and values fp8 e4m3, one scale per token and head: about a quarter of float32's
@@ -159,6 +164,8 @@ class EngineConfig:
             raise ValueError("overflow_keep_fraction must be in (0, 1)")
         if self.max_context_tokens < 0:
             raise ValueError("max_context_tokens must be >= 0")
+        if self.prefill_partition_rows < 0:
+            raise ValueError("prefill_partition_rows must be >= 0")
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
         if self.kv_format not in ("float", "kv8"):  # engine.kvformat.KV_FORMATS (imports torch)
             raise ValueError(f"unknown KV format {self.kv_format!r}; valid: float, kv8")

@@ -60,6 +60,8 @@ class LiveContext:
     """Tokens this context ran through prefill or decode (a second call prefills only new tokens)."""
     overflows: int = 0
     """Times the context was cut back to its sink and newest chunks."""
+    dropped_tokens: int = 0
+    """Tokens those cuts removed, over the context's life."""
     created: float = field(default_factory=time.time)
     adapter: Adapter | None = None
     """The LoRA adapter its K/V is computed under (engine.lora), None for the base model."""
@@ -76,13 +78,19 @@ class CallResult:
     prompt_tokens: int
     """Ids the user turn added."""
     prefilled_tokens: int
-    """Ids prefilled for this call before decoding (pending ids from earlier turns included)."""
+    """Ids prefilled for this call before decoding (pending ids from earlier turns included; after an
+    overflow, every id kept)."""
     cached_tokens: int
     """Ids whose K/V were reused from before the call."""
     completion_tokens: int
     ttft_s: float
     """Seconds from the call's start to the first generated token."""
     total_s: float
+    context_tokens: int = 0
+    """Ids the model attended when it began the reply: the conversation so far, after any overflow
+    (what an OpenAI `usage.prompt_tokens` counts)."""
+    dropped_tokens: int = 0
+    """Ids the overflow rule cut from the context's start during this call (0 when it fitted)."""
 
 
 @dataclass(slots=True)
@@ -96,12 +104,14 @@ class _Snapshot:
     density: tuple
     overflows: int
     prefilled_tokens: int
+    dropped_tokens: int
 
     @classmethod
     def take(cls, ctx: "LiveContext") -> "_Snapshot":
         return cls(
             list(ctx.token_ids), len(ctx.conv.turns), ctx.cache, ctx.cache.length,
             (ctx.density.sums.copy(), ctx.density.rows.copy()), ctx.overflows, ctx.prefilled_tokens,
+            ctx.dropped_tokens,
         )
 
     def restore(self, ctx: "LiveContext") -> None:
@@ -112,6 +122,7 @@ class _Snapshot:
         ctx.density.sums, ctx.density.rows = self.density
         ctx.overflows = self.overflows
         ctx.prefilled_tokens = self.prefilled_tokens
+        ctx.dropped_tokens = self.dropped_tokens
 
 
 class CallStream:
@@ -228,16 +239,15 @@ class ContextEngine:
         ctx.cache = self.model.new_cache(round_up(len(ctx.token_ids) + 256, c), self.cfg.kv_format)
         ctx.density.reset()
         ctx.overflows += 1
+        ctx.dropped_tokens += len(ids) - len(ctx.token_ids)
 
     def _run(self, ctx: LiveContext, prompt: str, new_ids: list[int], sp: SamplingParams):
         t0 = time.perf_counter()
-        cached = ctx.cache.length
         saved = _Snapshot.take(ctx)
         try:
             ctx.conv.turns.append(Turn("user", prompt))
             ctx.token_ids.extend(new_ids)
-            prefilled = len(ctx.token_ids) - cached
-            out, text, finish, ttft = yield from self._decode(ctx, sp, t0)
+            out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0)
         except BaseException:
             # a failed or abandoned call (error, client gone, generator closed) leaves no half turn
             saved.restore(ctx)
@@ -253,10 +263,12 @@ class ContextEngine:
             finish_reason=finish,
             prompt_tokens=len(new_ids),
             prefilled_tokens=prefilled,
-            cached_tokens=cached,
+            cached_tokens=seen - prefilled,
             completion_tokens=len(out),
             ttft_s=ttft,
             total_s=time.perf_counter() - t0,
+            context_tokens=seen,
+            dropped_tokens=ctx.dropped_tokens - saved.dropped_tokens,
         )
 
     def complete(self, prompt: str, adapter: Adapter | None = None, **params) -> CallStream:
@@ -281,21 +293,24 @@ class ContextEngine:
 
         def run():
             t0 = time.perf_counter()
-            out, text, finish, ttft = yield from self._decode(ctx, sp, t0)
-            return CallResult(text, out, finish, len(ids), len(ids), 0, len(out), ttft, time.perf_counter() - t0)
+            out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0)
+            return CallResult(text, out, finish, len(ids), prefilled, seen - prefilled, len(out), ttft,
+                              time.perf_counter() - t0, context_tokens=seen, dropped_tokens=ctx.dropped_tokens)
 
         return CallStream(run())
 
     def _decode(self, ctx: LiveContext, sp: SamplingParams, t0: float):
-        """Prefill what is pending and decode a reply, yielding text deltas; returns
-        (generated ids, text, finish reason, seconds to first token)."""
+        """Prefill what is pending and decode a reply, yielding text deltas; returns (generated ids, text,
+        finish reason, seconds to first token, ids attended for the first token, ids prefilled for it)."""
         gen = sp.generator(self.model.device)
         out: list[int] = []
         emitted = 0
         finish = "length"
         ttft = 0.0
         text = ""
+        before = ctx.prefilled_tokens
         logits = self._step(ctx)
+        seen, prefilled = len(ctx.token_ids), ctx.prefilled_tokens - before
         while True:
             tok = sample(logits, sp, gen)
             if not out:
@@ -319,4 +334,4 @@ class ContextEngine:
             logits = self._step(ctx)
         if len(text) > emitted:
             yield text[emitted:]
-        return out, text, finish, ttft
+        return out, text, finish, ttft, seen, prefilled

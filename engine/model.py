@@ -48,7 +48,8 @@ SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-ro
 # blocks beat 32- and 48-row ones at 2048 tokens, and under load from other processes fewer, larger blocks
 # suffer less from OpenMP barrier waits; blocks of hundreds of rows spill a 2 MiB L2 and cost more
 NATIVE_MIN_ROWS = 16  # fewer query rows (decode, a short turn) run attn_rows: attn_forward copies K
-# transposed once per call, which pays off only when enough rows share it
+# transposed once per call, which pays off from 16 rows on (0.45 against 0.70 ms at 1,024 keys, 3.7 against
+# 6.8 ms at 6,000, on this project's VM)
 MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alone gives 256 rows at 512 tokens:
 # 2 blocks, a third of the scores masked, which is slower)
 
@@ -303,7 +304,9 @@ class Transformer:
         rows, summed over heads and layers, is added into it. `sdpa` uses torch's fused attention instead
         (no density; for measuring what density costs). `adapter`: a LoRA adapter (engine.lora) added to
         the products; the cache's K/V must have been computed under the same one. Requires every chunk
-        to be present.
+        to be present. More than `EngineConfig.prefill_partition_rows` tokens run in partitions of that
+        many, layer by layer: a partition attends to the K/V its layer wrote for the rows before it, so
+        the result is the one-pass result up to float summation order.
         """
         if cache.missing:
             raise RuntimeError(f"forward over a context with missing chunks {sorted(cache.missing)}")
@@ -316,13 +319,16 @@ class Transformer:
             cache.truncate(start)
             raise ValueError(f"position {start + n} beyond the model's {self.cos.shape[0]} positions")
         pos = torch.arange(start, start + n, device=self.device)
+        p = self.engine_cfg.prefill_partition_rows
+        parts = [(r, min(n, r + p)) for r in range(0, n, p)] if 0 < p < n else [(0, n)]
         try:
             x = self.w.embed(ids)  # [n, hidden]
             for layer in range(self.cfg.n_layers):
-                x = self._layer(layer, x, pos, cache, contiguous=True, density=density, sdpa=sdpa,
-                                adapter=adapter)
-                if self.step_hook is not None:  # after the block's locals are gone
-                    self.step_hook("mlp", layer)
+                for r0, r1 in parts:  # layer-major: every partition through this layer, then the next
+                    self._layer(layer, x[r0:r1], pos[r0:r1], cache, contiguous=True, density=density,
+                                sdpa=sdpa, adapter=adapter)  # updates its rows of x in place
+                    if self.step_hook is not None:  # after the block's locals are gone
+                        self.step_hook("mlp", layer)
         except BaseException:
             cache.truncate(start)
             raise
@@ -473,14 +479,14 @@ class Transformer:
 
     def _attend_native(self, layer, q, pos, cache, density) -> torch.Tensor:
         """`_attend` in engine/attention.c: the same result up to float32 rounding (tested against the
-        naive reference) on the process's torch thread count. Enough rows for the keys they see run
-        `attn_forward` (one fused pass per block of rows against the keys transposed once per call);
-        fewer (decode, short turns, recompute of a few chunks of a long context) run `attn_rows`
-        (dot products with each key row, one item per row and query head)."""
+        naive reference) on the process's torch thread count. 16 rows or more run `attn_forward` (one
+        fused pass per block of rows against the keys transposed once per call: faster than
+        `attn_rows` from 16 rows on, against 1,024 keys as against 6,000); fewer (decode, short turns)
+        run `attn_rows` (dot products with each key row, one item per row and query head)."""
         cfg = self.cfg
         n, d = q.shape[0], cfg.head_dim
         lib = attention_kernel()
-        many = n >= NATIVE_MIN_ROWS and 8 * n >= int(pos[-1]) + 1
+        many = n >= NATIVE_MIN_ROWS
         kernel = lib.attn_forward if many else lib.attn_rows
         if cache.kv_format == "float":
             k, v = cache.k[layer], cache.v[layer]  # [Hkv, T, D]

@@ -181,7 +181,7 @@ def estimate_steps(shape: PrefillShape, rows: int, cached: int) -> list[StepEsti
         peak_qkv = max(peak_qkv, retained_qkv + 8 * hkv * p * d)
     out = a * p * hq * d
     t = shape.threads
-    if shape.native_attention and p >= 16 and 8 * p >= s:  # attn_forward: keys transposed, tiles a thread
+    if shape.native_attention and p >= 16:  # attn_forward: keys transposed, tiles a thread
         transient = out + 4 * (hkv * d * s + t * s + t * (48 * s + 96 * d))
         if shape.kv8:
             transient += 2 * a * hkv * s * d

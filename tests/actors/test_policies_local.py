@@ -260,12 +260,13 @@ def test_overflow_inside_the_service_keeps_kv_and_density_consistent(small_engin
                "Which is wettest?", "Thanks, bye."]  # the sixth call overflows 160 tokens
     got, want = [], []
     for k, p in enumerate(prompts):
-        got.append(svc.call(tok, ctx, p, max_tokens=12).token_ids)
-        want.append(ref_engine.call(ref, p, max_tokens=12).token_ids)
+        o, r = svc.call(tok, ctx, p, max_tokens=12), ref_engine.call(ref, p, max_tokens=12)
+        got.append((o.token_ids, o.dropped_tokens, o.context_tokens))
+        want.append((r.token_ids, r.dropped_tokens, r.context_tokens))
         if k == 6:
             svc.call(tok, other, "Hello.", max_tokens=4)  # the next call must restore ctx
     assert ref.overflows >= 1  # the workload really passed the limit (first at the sixth call)
-    assert got == want
+    assert got == want and sum(d for _, d, _ in got) == ref.dropped_tokens > 0  # the replies said so
     # the write-back thread ran torch (K/V export, fp16 casts) on its own thread only (engine/threads.py)
     assert svc.executor._bg.submit(torch.get_num_threads).result() == 1
     svc.close()

@@ -47,7 +47,8 @@ def test_stateless_chat_equals_engine(server, oai, token, engine, base):
     # reference: the same conversation on the in-process engine, with the assistant turn as history
     ctx = engine.new_ctx(SYSTEM)
     first = engine.call(ctx, "Name a fruit.", max_tokens=10).text
-    want = engine.call(ctx, "What colour is it?", max_tokens=10).text
+    second = engine.call(ctx, "What colour is it?", max_tokens=10)
+    want = second.text
     engine.delete_ctx(ctx)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a fruit."}]
     r = oai.chat.completions.create(model=base, messages=msgs, max_tokens=10, temperature=0)
@@ -57,6 +58,9 @@ def test_stateless_chat_equals_engine(server, oai, token, engine, base):
     # a client-supplied assistant turn is re-tokenized from its text; for this reply the ids agree
     r = oai.chat.completions.create(model=base, messages=msgs, max_tokens=10, temperature=0)
     assert r.choices[0].message.content == want
+    # usage counts every token the model attended (system prompt and history too), as OpenAI does
+    assert r.usage.prompt_tokens == second.context_tokens > second.prompt_tokens
+    assert r.model_extra["dropped_tokens"] == 0
     chunks = list(oai.chat.completions.create(model=base, messages=msgs, max_tokens=10, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")

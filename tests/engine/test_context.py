@@ -98,11 +98,15 @@ def test_overflow_keeps_sink_and_newest_chunks(resolved_model, engine):
     ctx = small.new_ctx()
     prompts = ["Describe the ocean in detail.", "Describe mountains in detail.", "Describe deserts in detail."]
     sink = None
+    dropped = 0
     for p in prompts:
-        small.call(ctx, p, max_tokens=40)
+        r = small.call(ctx, p, max_tokens=40)
         sink = sink or ctx.token_ids[:16]
         assert ctx.cache.length <= 128
-    assert ctx.overflows >= 1
+        # the reply says what the model saw and what the overflow rule cut
+        assert r.context_tokens == r.cached_tokens + r.prefilled_tokens <= 128
+        dropped += r.dropped_tokens
+    assert ctx.overflows >= 1 and dropped == ctx.dropped_tokens > 0
     # after overflow the first chunk is still the context's original first chunk (the attention sink)
     assert ctx.token_ids[:16] == sink
     assert len(ctx.token_ids) <= 128
