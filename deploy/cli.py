@@ -258,7 +258,8 @@ def cmd_bench(args) -> int:
 
 WEIGHTS_HELP = ("weight format: fp32 (default: the checkpoint as converted), bf16, int8 (per-row), int4 "
                 "(group 32, int8 LM head; a Q4_0/Q4_1 GGUF is repacked as it is), int4-g128 (other group "
-                "sizes), ...-hfp32 (float LM head); converted once into the model cache")
+                "sizes), ...-hfp32 (float LM head), ...-gptq (int4 calibrated by GPTQ: int4-g128-gptq); converted "
+                "once into the model cache")
 
 
 KV_FORMAT_HELP = ("how contexts' K/V is held in memory: float (default, the compute dtype) or kv8 (keys int8, "

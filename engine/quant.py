@@ -46,6 +46,9 @@ class WeightFormat:
     """int4: inputs per scale and minimum (a multiple of 32)."""
     head: str = "int8"
     """int8/int4: the LM head's format (MNN-LLM §4.2 keeps it at int8: it weighs more on accuracy)."""
+    calibrated: bool = False
+    """int4: the layers' matrices quantized by GPTQ on calibration text (engine/gptq.py) instead of
+    rounding each value to its nearest step (`-gptq` in the tag)."""
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHT_FORMATS:
@@ -54,6 +57,8 @@ class WeightFormat:
             raise WeightFormatError(f"int4 group size {self.group} is not a positive multiple of {BLOCK}")
         if self.head not in HEAD_FORMATS:
             raise WeightFormatError(f"unknown head format {self.head!r}; valid: {', '.join(HEAD_FORMATS)}")
+        if self.calibrated and self.name != "int4":
+            raise WeightFormatError("only int4 is calibrated (-gptq)")
 
     @property
     def quantized(self) -> bool:
@@ -66,21 +71,25 @@ class WeightFormat:
         if not self.quantized:
             return self.name
         tag = self.name if self.name == "int8" else f"int4-g{self.group}"
-        return tag if self.head == "int8" else f"{tag}-h{self.head}"
+        tag = tag if self.head == "int8" else f"{tag}-h{self.head}"
+        return f"{tag}-gptq" if self.calibrated else tag
 
     @classmethod
     def parse(cls, text: str) -> "WeightFormat":
-        """`int4`, `int4-g128`, `int4-g32-hfp32`, `int8`, `bf16`, `fp32` (the inverse of `tag`)."""
+        """`int4`, `int4-g128`, `int4-g32-hfp32`, `int4-g128-gptq`, `int8`, `bf16`, `fp32` (the inverse of
+        `tag`)."""
         name, *rest = text.strip().lower().split("-")
-        group, head = 32, "int8"
+        group, head, calibrated = 32, "int8", False
         for part in rest:
-            if part.startswith("g") and part[1:].isdigit() and name == "int4":
+            if part == "gptq" and name == "int4":
+                calibrated = True
+            elif part.startswith("g") and part[1:].isdigit() and name == "int4":
                 group = int(part[1:])
             elif part.startswith("h") and name in ("int8", "int4"):
                 head = part[1:]
             else:
                 raise WeightFormatError(f"cannot read weight format {text!r} (e.g. int4, int4-g128, int8, bf16)")
-        return cls(name, group, head)
+        return cls(name, group, head, calibrated)
 
 
 # ---- int4 -----------------------------------------------------------------------------------------

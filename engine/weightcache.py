@@ -2,9 +2,11 @@
 converted once into the model cache, memory-mapped read-only after (engine.quant says what each
 format stores).
 
-This module deliberately knows nothing about running the model (no torch): engine.layout says which
-checkpoint tensors make each engine tensor, engine.quant how to quantize a matrix, and engine.loader
-where the cache lives. `engine_arrays` is the one entry point for every format, fp32 included.
+This module deliberately knows nothing about running the model (no torch at import): engine.layout
+says which checkpoint tensors make each engine tensor, engine.quant how to quantize a matrix, and
+engine.loader where the cache lives. `engine_arrays` is the one entry point for every format, fp32
+included. The calibrated formats (`-gptq`) are the exception that runs it: their layer matrices come
+from engine/gptq.py (imported then), which runs the float model on calibration text once.
 
 Conversion streams. The output file's header is written first from the tensors' shapes; then one
 source tensor (or, for the embedding table, one slice of rows) at a time is read with plain file
@@ -210,11 +212,17 @@ def _to_bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _convert(pieces: list[Piece], ck: _Checkpoint, gguf: _Gguf | None, fmt: WeightFormat, tied: bool,
-             writer: _Writer, progress: Callable[[int], None]) -> str:
-    """Fill the writer; returns `repacked` when every int4 matrix came from GGUF blocks as they are."""
+             writer: _Writer, progress: Callable[[int], None], given: dict | None = None) -> str:
+    """Fill the writer; returns `repacked` when every int4 matrix came from GGUF blocks as they are.
+    `given`: int4 triples already made for some pieces (by name), written as they are."""
     repacked = fmt.name == "int4" and fmt.group == quant.BLOCK and gguf is not None
     for i, piece in enumerate(pieces):
         kind = _stored_as(piece, fmt, tied, ck)
+        if kind == "int4" and given and piece.name in given:
+            for suffix, a in zip((".q", ".scale", ".min"), given[piece.name]):
+                writer.append(piece.name + suffix, a)
+            progress(i + 1)
+            continue
         for src in piece.sources if kind != "none" else ():
             shape = ck.shape(src)
             step = EMBED_SLICE_ROWS if len(shape) > 1 else 1
@@ -243,6 +251,8 @@ def _convert(pieces: list[Piece], ck: _Checkpoint, gguf: _Gguf | None, fmt: Weig
                 else:
                     writer.append(piece.name, a.astype(np.float32, copy=False))
         progress(i + 1)
+    if given:
+        return "calibrated (GPTQ)"
     return "repacked from the GGUF" if repacked else "converted"
 
 
@@ -270,7 +280,8 @@ def converted_weights(directory: Path, fingerprint: str, fmt: WeightFormat, piec
 def _build(directory, target, fingerprint, fmt, pieces, tied, heads, kv_heads, stamp, progress) -> None:
     t0 = time.perf_counter()
     ck = _Checkpoint(directory)
-    gguf = _Gguf.of(directory, heads, kv_heads) if fmt.name == "int4" and fmt.group == quant.BLOCK else None
+    gguf = (_Gguf.of(directory, heads, kv_heads) if fmt.name == "int4" and fmt.group == quant.BLOCK
+            and not fmt.calibrated else None)
     specs = [s for p in pieces for s in _specs(p, ck, fmt, tied)]
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     meta = {"format": WEIGHTS_FORMAT, "weights": fmt.tag, "fingerprint": fingerprint, "source": stamp}
@@ -282,9 +293,14 @@ def _build(directory, target, fingerprint, fmt, pieces, tied, heads, kv_heads, s
         if tty:
             print(f"\rllmaas: {done}/{len(pieces)} tensors", end="", file=sys.stderr, flush=True)
 
+    given = None
+    if fmt.calibrated:
+        from engine.gptq import calibrated_int4
+
+        given = calibrated_int4(directory, fingerprint, fmt.group, progress=progress)
     writer = _Writer(tmp, specs, meta)
     try:
-        origin = _convert(pieces, ck, gguf, fmt, tied, writer, step)
+        origin = _convert(pieces, ck, gguf, fmt, tied, writer, step, given)
         for name, (start, done) in writer.where.items():
             spec = next(s for s in specs if s[0] == name)
             if done != int(np.prod(spec[2])) * np.dtype(spec[1]).itemsize:

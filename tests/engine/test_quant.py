@@ -22,10 +22,11 @@ from engine.quant import WeightFormat, WeightFormatError
 
 def test_weight_format_names_round_trip_and_refuse_nonsense():
     for text, tag in [("fp32", "fp32"), ("BF16", "bf16"), ("int8", "int8"), ("int4", "int4-g32"),
-                      ("int4-g128", "int4-g128"), ("int4-g64-hfp32", "int4-g64-hfp32"), ("int8-hfp32", "int8-hfp32")]:
+                      ("int4-g128", "int4-g128"), ("int4-g64-hfp32", "int4-g64-hfp32"), ("int8-hfp32", "int8-hfp32"),
+                      ("int4-g128-gptq", "int4-g128-gptq"), ("int4-gptq-hfp32", "int4-g32-hfp32-gptq")]:
         fmt = WeightFormat.parse(text)
         assert fmt.tag == tag and WeightFormat.parse(fmt.tag) == fmt
-    for bad in ["int3", "int4-g48", "int4-g0", "fp32-g32", "int4-hq2", "int4-x", ""]:
+    for bad in ["int3", "int4-g48", "int4-g0", "fp32-g32", "int4-hq2", "int4-x", "", "int8-gptq", "bf16-gptq"]:
         with pytest.raises(WeightFormatError) as e:
             WeightFormat.parse(bad)
         assert e.value.code == "bad_weight_format"
@@ -181,7 +182,7 @@ def formats(resolved_model):
 
     return {name: Transformer.from_directory(resolved_model.directory, EngineConfig(device="cpu", weights=name),
                                              fingerprint=resolved_model.fingerprint)
-            for name in ("fp32", "int8", "int4", "int4-g128")}
+            for name in ("fp32", "int8", "int4", "int4-g128", "int4-g128-gptq")}
 
 
 def test_tied_model_reads_its_embeddings_from_the_int8_head(formats):
@@ -201,9 +202,10 @@ def test_perplexity_of_each_format_against_float32(formats, engine):
     """Perplexity on the benchmark suite's real text (three windows of 384 tokens of the Python
     reference manual): int8 within +1% of float32, int4 group 32 with the int8 head within +3%.
     int4 group 128 re-quantizes weights that are already 4-bit in groups of 32 (the default GGUF is
-    Q4_1) onto a coarser grid: +41% was measured (19.92 -> 28.13), not the +10% issue 27 asks for;
-    the bound here (+50%) catches a regression, docs/benchmarks.md ("Quantized weights") has the
-    figures."""
+    Q4_1) onto a coarser grid: rounding each weight measured +41% (19.92 -> 28.13), GPTQ on
+    calibration text (int4-g128-gptq, engine/gptq.py) +10.8% (22.06), against the +10% issue 27 asks
+    for; the bounds here (+50%, +12%) catch a regression, docs/benchmarks.md ("Quantized weights")
+    has the figures."""
     from bench.accuracy import real_text_ids, window_starts
 
     ids = real_text_ids(engine.tok)
@@ -221,6 +223,7 @@ def test_perplexity_of_each_format_against_float32(formats, engine):
     assert ppl["int8"] <= ppl["fp32"] * 1.01, ppl
     assert ppl["int4"] <= ppl["fp32"] * 1.03, ppl
     assert ppl["int4-g128"] <= ppl["fp32"] * 1.50, ppl
+    assert ppl["int4-g128-gptq"] <= ppl["fp32"] * 1.12 and ppl["int4-g128-gptq"] < ppl["int4-g128"], ppl
     assert ppl["int4-g128"] != ppl["int4"] != ppl["fp32"], ppl  # each format really ran its own weights
 
 
