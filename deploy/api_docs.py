@@ -29,11 +29,15 @@ CALL = ("timeout", "context_busy", "prompt_too_long", "overloaded", "capacity", 
 prompt over the context limit (413), the queue full (429), no room in the KV pool (503), the chunk
 files' cap reached (507)."""
 
-SSE_CALL = ('Server-Sent Events with `"stream": true`: `data: {"delta": TEXT}` per piece of text, then '
+SSE_CALL = ('Server-Sent Events with `"stream": true`: while a prompt of 128 tokens or more is prefilled, '
+            '`data: {"progress": {"prefill_layers", "layers", "tokens"}}` after each layer; then '
+            '`data: {"delta": TEXT}` per piece of text, then '
             '`data: {"done": true, ...}` with the fields of the JSON reply, then `data: [DONE]`. An error '
             'after the first event is one `data: {"error": {"code", "message"}}` event before `[DONE]`.')
 SSE_CHAT = ('Server-Sent Events with `"stream": true`: OpenAI `chat.completion.chunk` objects, the first with '
-            'the assistant role, the last with `finish_reason`, `usage` and `switch_ms`, then `data: [DONE]`. '
+            'the assistant role, the last with `finish_reason`, `usage` and `switch_ms`, then `data: [DONE]`; '
+            'a long prefill\'s progress comes first as SSE comments (`: prefill 3/30 layers of 6000 tokens`), '
+            'which OpenAI clients ignore. '
             'An error after the first event is one `data: {"error": {"code", "message"}}` event before `[DONE]`.')
 
 CALL_HEADERS = {"parameters": [

@@ -103,7 +103,8 @@ class CountRequests:
             metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
 
 
-def _sse(obj: Any) -> bytes:
+def sse_data(obj: Any) -> bytes:
+    """One Server-Sent Event carrying `obj` as JSON."""
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
@@ -119,18 +120,25 @@ async def _chain(head: list, rest):
         await rest.aclose()
 
 
-def sse_response(head: list, events, on_delta, on_done, first: dict | None = None) -> StreamingResponse:
+def sse_response(head: list, events, on_delta, on_done, first: dict | None = None,
+                 on_progress=None) -> StreamingResponse:
     """A call's events as Server-Sent Events: `first`, each delta and the outcome rendered by the
-    callbacks, an error event if the call fails midway, then `[DONE]`."""
+    callbacks, an error event if the call fails midway, then `[DONE]`. A prefill's progress
+    (`engine.context.PrefillProgress`) goes through `on_progress`, which returns the event's bytes."""
     async def gen():
         chain = _chain(head, events)
         try:
             if first is not None:
-                yield _sse(first)
+                yield sse_data(first)
             async for item in chain:
-                yield _sse(on_done(item) if isinstance(item, dict) else on_delta(item))
+                if isinstance(item, dict):
+                    yield sse_data(on_done(item))
+                elif isinstance(item, str):
+                    yield sse_data(on_delta(item))
+                elif on_progress is not None:
+                    yield on_progress(item)
         except APIError as e:
-            yield _sse(e.body())
+            yield sse_data(e.body())
         finally:
             await chain.aclose()
         yield b"data: [DONE]\n\n"

@@ -37,7 +37,7 @@ import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
 from deploy.api_docs import (ACTORS, APP, BODY, CALL, CALL_HEADERS, CONTEXT, SSE_CALL, SSE_CHAT, WRITES, responses,
                              without_default_422)
-from deploy.http_parts import BodyLimit, CountRequests, Limiter, outcome, sse_response
+from deploy.http_parts import BodyLimit, CountRequests, Limiter, outcome, sse_data, sse_response
 from deploy.api_models import (
     AdapterBody, APIError, BindBody, CallBody, ChatCompletionBody, NewContextBody, check_app_name, check_context_id,
     from_exception, reconcile, split_stateless,
@@ -157,6 +157,17 @@ def _usage(o: dict) -> dict:
     prompt = o["context_tokens"] or o["prompt_tokens"]  # a retried call's answer from before these fields
     return {"prompt_tokens": prompt, "completion_tokens": o["completion_tokens"],
             "total_tokens": prompt + o["completion_tokens"]}
+
+
+def _progress_event(p) -> bytes:
+    """A long prefill's progress on the contexts route: a data event that clients reading only
+    `delta` and `done` pass over."""
+    return sse_data({"progress": {"prefill_layers": p.layers_done, "layers": p.layers, "tokens": p.tokens}})
+
+
+def _progress_comment(p) -> bytes:
+    """The same on the OpenAI route: an SSE comment, which OpenAI clients ignore."""
+    return f": prefill {p.layers_done}/{p.layers} layers of {p.tokens} tokens\n\n".encode()
 
 
 def _call_reply(o: dict) -> dict:
@@ -393,11 +404,11 @@ class Ingress:
         app = await self._app(request)
         check_context_id(ctx)
         events = self._events(self._timeout(request), self.executor.stream, app, ctx, body.prompt,
-                              params=dict(body.params(), request_id=_request_id(request)))
+                              params=dict(body.params(), request_id=_request_id(request), progress=body.stream))
         head, events = await self._first(events)
         if body.stream:
             return sse_response(head, events, lambda d: {"delta": d},
-                                 lambda o: {"done": True, **_call_reply(o)})
+                                 lambda o: {"done": True, **_call_reply(o)}, on_progress=_progress_event)
         return {"id": ctx, **_call_reply(await outcome(head, events))}
 
     # ---- LoRA adapters ------------------------------------------------------------------------------
@@ -442,7 +453,7 @@ class Ingress:
         "model_mismatch", "adapter_unavailable", stream=SSE_CHAT))
     async def chat_completions(self, body: ChatCompletionBody, request: Request):
         app = await self._app(request)
-        params = body.params()
+        params = dict(body.params(), progress=body.stream)
         if body.max_completion_tokens is not None:
             params["max_tokens"] = body.max_completion_tokens
         if body.context_id is not None:
@@ -472,7 +483,7 @@ class Ingress:
                 head, events, lambda d: chunk({"content": d}),
                 lambda o: chunk({}, o["finish_reason"], usage=_usage(o), context_id=body.context_id,
                                 switch_ms=o["switch_ms"], dropped_tokens=o["dropped_tokens"]),
-                first=chunk({"role": "assistant", "content": ""}))
+                first=chunk({"role": "assistant", "content": ""}), on_progress=_progress_comment)
         o = await outcome(head, events)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": o["text"]},

@@ -93,6 +93,22 @@ class CallResult:
     """Ids the overflow rule cut from the context's start during this call (0 when it fitted)."""
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """A stream's event while a long prompt is prefilled (`ContextEngine.stream(..., progress=True)`)."""
+
+    layers_done: int
+    """Layers every new token has passed."""
+    layers: int
+    """Layers in all."""
+    tokens: int
+    """Tokens being prefilled."""
+
+
+PROGRESS_MIN_TOKENS = 128
+"""Prefills of fewer tokens send no progress events."""
+
+
 @dataclass(slots=True)
 class _Snapshot:
     """What a call may change in a context, to put back if the call does not complete."""
@@ -200,9 +216,10 @@ class ContextEngine:
         assert stream.result is not None
         return stream.result
 
-    def stream(self, ctx: LiveContext, prompt: str, **params) -> CallStream:
-        """Start a call; iterate the returned stream for text deltas. Arguments are checked here, before
-        anything in the context changes."""
+    def stream(self, ctx: LiveContext, prompt: str, progress: bool = False, **params) -> CallStream:
+        """Start a call; iterate the returned stream for text deltas (and, with `progress`, a
+        `PrefillProgress` after each layer of a prefill of `PROGRESS_MIN_TOKENS` or more, before the
+        first delta). Arguments are checked here, before anything in the context changes."""
         if not isinstance(prompt, str):
             raise BadRequestError("prompt must be a string")
         sp = SamplingParams(**params)
@@ -211,21 +228,34 @@ class ContextEngine:
             raise PromptTooLongError(
                 f"prompt of {len(new_ids)} tokens does not fit the context limit of {self.limit} tokens"
             )
-        return CallStream(self._run(ctx, prompt, new_ids, sp))
+        return CallStream(self._run(ctx, prompt, new_ids, sp, progress))
 
     # ---- internals ---------------------------------------------------------------------------------
     def tail_room(self) -> int:
         """Most tokens a fresh turn may take: what overflow keeps, less the sink chunk."""
         return int(self.limit * self.cfg.overflow_keep_fraction) - self.cfg.chunk_tokens
 
-    def _step(self, ctx: LiveContext) -> torch.Tensor:
-        """Prefill every pending id of `ctx` (overflowing first if needed); logits of the last one."""
+    def _step(self, ctx: LiveContext, progress: bool = False):
+        """Prefill every pending id of `ctx` (overflowing first if needed): a generator of
+        `PrefillProgress` events (with `progress`, for a long prefill) returning the last id's logits."""
         if len(ctx.token_ids) > self.limit:
             self._overflow(ctx)
         pending = ctx.token_ids[ctx.cache.length :]
         start = ctx.cache.length
         acc = torch.zeros(start + len(pending), dtype=torch.float32, device=self.model.device)
-        logits = self.model.forward(ctx.cache, pending, density=acc, adapter=ctx.adapter)
+        steps = self.model.forward_steps(ctx.cache, pending, density=acc, adapter=ctx.adapter)
+        report = progress and len(pending) >= PROGRESS_MIN_TOKENS
+        try:
+            while True:
+                try:
+                    done = next(steps)
+                except StopIteration as stop:
+                    logits = stop.value
+                    break
+                if report:
+                    yield PrefillProgress(done, self.model.cfg.n_layers, len(pending))
+        finally:  # a stream closed mid-prefill: the forward pass undoes its rows now, not when collected
+            steps.close()
         ctx.density.add(start, len(pending), acc.cpu().numpy())
         ctx.prefilled_tokens += len(pending)
         return logits
@@ -241,13 +271,13 @@ class ContextEngine:
         ctx.overflows += 1
         ctx.dropped_tokens += len(ids) - len(ctx.token_ids)
 
-    def _run(self, ctx: LiveContext, prompt: str, new_ids: list[int], sp: SamplingParams):
+    def _run(self, ctx: LiveContext, prompt: str, new_ids: list[int], sp: SamplingParams, progress: bool = False):
         t0 = time.perf_counter()
         saved = _Snapshot.take(ctx)
         try:
             ctx.conv.turns.append(Turn("user", prompt))
             ctx.token_ids.extend(new_ids)
-            out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0)
+            out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0, progress)
         except BaseException:
             # a failed or abandoned call (error, client gone, generator closed) leaves no half turn
             saved.restore(ctx)
@@ -299,7 +329,7 @@ class ContextEngine:
 
         return CallStream(run())
 
-    def _decode(self, ctx: LiveContext, sp: SamplingParams, t0: float):
+    def _decode(self, ctx: LiveContext, sp: SamplingParams, t0: float, progress: bool = False):
         """Prefill what is pending and decode a reply, yielding text deltas; returns (generated ids, text,
         finish reason, seconds to first token, ids attended for the first token, ids prefilled for it)."""
         gen = sp.generator(self.model.device)
@@ -309,7 +339,7 @@ class ContextEngine:
         ttft = 0.0
         text = ""
         before = ctx.prefilled_tokens
-        logits = self._step(ctx)
+        logits = yield from self._step(ctx, progress)
         seen, prefilled = len(ctx.token_ids), ctx.prefilled_tokens - before
         while True:
             tok = sample(logits, sp, gen)
@@ -331,7 +361,7 @@ class ContextEngine:
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
-            logits = self._step(ctx)
+            logits = yield from self._step(ctx)
         if len(text) > emitted:
             yield text[emitted:]
         return out, text, finish, ttft, seen, prefilled

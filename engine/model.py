@@ -286,7 +286,6 @@ class Transformer:
         self.forward_rows -= 49
 
     # ---- prefill / decode -------------------------------------------------------------------------
-    @torch.no_grad()
     def forward(
         self,
         cache: KVCache,
@@ -297,7 +296,28 @@ class Transformer:
         sdpa: bool = False,
         adapter: Adapter | None = None,
     ) -> torch.Tensor:
-        """Append `token_ids` to the context in `cache` and return logits.
+        """`forward_steps` run to its end: the logits."""
+        steps = self.forward_steps(cache, token_ids, density=density, all_logits=all_logits, sdpa=sdpa,
+                                   adapter=adapter)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    @torch.no_grad()
+    def forward_steps(
+        self,
+        cache: KVCache,
+        token_ids,
+        *,
+        density: torch.Tensor | None = None,
+        all_logits: bool = False,
+        sdpa: bool = False,
+        adapter: Adapter | None = None,
+    ):
+        """Append `token_ids` to the context in `cache`: a generator that yields the number of layers done
+        after each layer (a long prefill's progress) and returns the logits (`StopIteration.value`).
 
         Returns `[V]` for the last row, or `[n, V]` with `all_logits`. When `density` (a float32 tensor
         with at least `cache.length + n` entries) is given, the attention each key receives from the new
@@ -329,7 +349,8 @@ class Transformer:
                                 sdpa=sdpa, adapter=adapter)  # updates its rows of x in place
                     if self.step_hook is not None:  # after the block's locals are gone
                         self.step_hook("mlp", layer)
-        except BaseException:
+                yield layer + 1
+        except BaseException:  # an error, or the consumer closed the generator: nothing half-written stays
             cache.truncate(start)
             raise
         self.forward_rows += n

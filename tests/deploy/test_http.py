@@ -214,3 +214,26 @@ def test_a_call_sent_again_with_its_idempotency_key_appends_once(server, app):
     r = requests.post(url, json={"prompt": "x"}, headers={**h(app.token), "Idempotency-Key": "a" * 129}, timeout=60)
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
     assert app.context(ctx)["turns"] == turns
+
+
+def test_a_streamed_long_prompt_sends_prefill_progress_first(server, app):
+    """On the contexts route a progress event per layer comes before the first delta (a data event that
+    `Client.stream` passes over); on the OpenAI route the same as SSE comments, which OpenAI clients
+    ignore."""
+    prompt = "Summarise this: " + " ".join(f"item {i}," for i in range(80))
+    ctx = app.new_ctx(SYSTEM)
+    r = requests.post(f"{server.url}/v1/contexts/{ctx}/calls", headers=h(app.token), stream=True,
+                      json={"prompt": prompt, "max_tokens": 4, "stream": True})
+    events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+    kinds = [next(iter(e)) for e in events]
+    first_delta = kinds.index("delta") if "delta" in kinds else kinds.index("done")
+    progress = [e["progress"] for e in events[:first_delta]]
+    assert progress and all(k == "progress" for k in kinds[:first_delta])
+    assert progress[-1]["prefill_layers"] == progress[-1]["layers"] and progress[0]["tokens"] >= 128
+    assert "progress" not in kinds[first_delta:]
+    r = requests.post(f"{server.url}/v1/chat/completions", headers=h(app.token), stream=True,
+                      json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "stream": True})
+    lines = [line for line in r.iter_lines() if line]
+    comments = [k for k, line in enumerate(lines) if line.startswith(b": prefill ")]
+    content = [k for k, line in enumerate(lines) if b'"content": "' in line and b'"content": ""' not in line]
+    assert comments and (not content or max(comments) < min(content))

@@ -184,3 +184,35 @@ def test_abandoned_stream_leaves_the_context_as_it_was(engine):
     twin = engine.new_ctx()
     engine.call(twin, "Name a bird.", max_tokens=8)
     assert engine.call(ctx, "Name a fish.", max_tokens=8).token_ids == engine.call(twin, "Name a fish.", max_tokens=8).token_ids
+
+
+def test_a_long_prefill_reports_its_progress_when_asked(engine):
+    """`stream(..., progress=True)`: a prefill of 128 tokens or more sends one `PrefillProgress` per
+    layer before the first text delta; a short one, or a stream not asking, sends none; the reply is
+    the same either way."""
+    from engine.context import PROGRESS_MIN_TOKENS, PrefillProgress
+
+    long_prompt = "Summarise this: " + " ".join(f"item {i}," for i in range(80))
+    replies = {}
+    for progress in (True, False):
+        ctx = engine.new_ctx()
+        items = list(engine.stream(ctx, long_prompt, progress=progress, max_tokens=6))
+        marks = [i for i in items if isinstance(i, PrefillProgress)]
+        first_text = next(k for k, i in enumerate(items) if isinstance(i, str))
+        replies[progress] = "".join(i for i in items if isinstance(i, str))
+        if progress:
+            n = engine.model.cfg.n_layers
+            assert [m.layers_done for m in marks] == list(range(1, n + 1)) and marks[0].layers == n
+            assert marks[0].tokens >= PROGRESS_MIN_TOKENS and first_text == n  # all before the first delta
+            short = list(engine.stream(ctx, "And now?", progress=True, max_tokens=4))
+            assert not any(isinstance(i, PrefillProgress) for i in short)
+            # a stream closed halfway through a prefill leaves the context as it was
+            ids, length = list(ctx.token_ids), ctx.cache.length
+            stream = iter(engine.stream(ctx, long_prompt, progress=True, max_tokens=4))
+            assert isinstance(next(stream), PrefillProgress) and ctx.cache.length > length
+            stream.close()
+            assert ctx.token_ids == ids and ctx.cache.length == length
+        else:
+            assert not marks
+        engine.delete_ctx(ctx)
+    assert replies[True] == replies[False]
