@@ -59,19 +59,39 @@ def _check_sampling(args) -> None:
     SamplingParams(**_sampling(args))
 
 
+def write_stream(stream, out=None, err=None) -> None:
+    """A reply's text to `out` (stdout) as it comes; a long prompt's prefill progress
+    (`engine.context.PrefillProgress`) as one line on `err` (stderr), cleared before the text."""
+    from engine.context import PrefillProgress
+
+    out, err = out or sys.stdout, err or sys.stderr
+    shown = False
+    for item in stream:
+        if isinstance(item, PrefillProgress):
+            print(f"\rllmaas: prefill {item.layers_done}/{item.layers} layers ({item.tokens} tokens)", end="",
+                  file=err, flush=True)
+            shown = True
+            continue
+        if shown:
+            print("\r\033[K", end="", file=err, flush=True)
+            shown = False
+        out.write(item)
+        out.flush()
+
+
 def cmd_generate(args) -> int:
     _check_sampling(args)
     engine = _engine(args)
     adapter = _adapter(args, engine)
     if args.prompt == "-":
         args.prompt = sys.stdin.read()
+    progress = sys.stderr.isatty()
     if args.chat:
-        stream = engine.stream(engine.new_ctx(args.system, adapter=adapter), args.prompt, **_sampling(args))
+        stream = engine.stream(engine.new_ctx(args.system, adapter=adapter), args.prompt, progress=progress,
+                               **_sampling(args))
     else:
-        stream = engine.complete(args.prompt, adapter=adapter, **_sampling(args))
-    for delta in stream:
-        sys.stdout.write(delta)
-        sys.stdout.flush()
+        stream = engine.complete(args.prompt, adapter=adapter, progress=progress, **_sampling(args))
+    write_stream(stream)
     sys.stdout.write("\n")
     r = stream.result
     if args.verbose and r is not None:
@@ -222,10 +242,8 @@ def cmd_chat(args) -> int:
         if prompt.startswith("/"):
             print(f"unknown command {prompt.split()[0]}; {CHAT_HELP}", file=sys.stderr)
             continue
-        stream = engine.stream(ctx, prompt, **_sampling(args))
-        for delta in stream:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+        stream = engine.stream(ctx, prompt, progress=sys.stderr.isatty(), **_sampling(args))
+        write_stream(stream)
         sys.stdout.write("\n")
         sys.stdout.flush()
         last = stream.result

@@ -301,9 +301,9 @@ class ContextEngine:
             dropped_tokens=ctx.dropped_tokens - saved.dropped_tokens,
         )
 
-    def complete(self, prompt: str, adapter: Adapter | None = None, **params) -> CallStream:
+    def complete(self, prompt: str, adapter: Adapter | None = None, progress: bool = False, **params) -> CallStream:
         """Plain completion of `prompt` (no chat template) in a throwaway context, under the LoRA
-        `adapter` when given."""
+        `adapter` when given (`progress` as for `stream`)."""
         if not isinstance(prompt, str) or not prompt:
             raise BadRequestError("prompt must be a non-empty string")
         sp = SamplingParams(**params)
@@ -323,7 +323,7 @@ class ContextEngine:
 
         def run():
             t0 = time.perf_counter()
-            out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0)
+            out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0, progress)
             return CallResult(text, out, finish, len(ids), prefilled, seen - prefilled, len(out), ttft,
                               time.perf_counter() - t0, context_tokens=seen, dropped_tokens=ctx.dropped_tokens)
 

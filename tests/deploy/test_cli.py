@@ -90,3 +90,15 @@ def test_generate_and_serve_take_a_kv_format(engine):
     args = build_parser().parse_args(["serve", "--kv-format", "kv8", "--policy", "swap", "--data-dir", "/tmp/x"])
     with pytest.raises(ValueError, match="lossless"):
         options_from_args(args)
+
+
+def test_write_stream_puts_progress_on_stderr_and_text_on_stdout():
+    import io
+
+    from deploy.cli import write_stream
+    from engine.context import PrefillProgress
+
+    out, err = io.StringIO(), io.StringIO()
+    write_stream([PrefillProgress(1, 2, 300), PrefillProgress(2, 2, 300), "Hel", "lo"], out, err)
+    assert out.getvalue() == "Hello"
+    assert "prefill 2/2 layers (300 tokens)" in err.getvalue() and err.getvalue().endswith("\r\033[K")

@@ -148,3 +148,20 @@ def test_a_kv8_working_set_on_the_device_matches_the_cpu(checkpoint):
     agree = (b.float().cpu().argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"kv8 on {DEVICE}: top-1 agreement bfloat16 against float32 compute {agree:.3f}")
     assert torch.isfinite(b).all() and agree >= 0.85
+
+
+def test_partitioned_prefill_on_the_device_equals_one_pass(checkpoint):
+    """Layer-major row partitions (`EngineConfig.prefill_partition_rows`) on the device: the logits of
+    one pass, in float32 and in bfloat16 compute, after a context already holding tokens."""
+    seq = _ids(N_PROMPT, 5)
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 5e-2)):
+        m = _load(checkpoint, DEVICE, "fp32", dtype)
+        out = {}
+        for rows in (0, 32):
+            m.engine_cfg.prefill_partition_rows = rows
+            cache = m.new_cache(N_PROMPT)
+            m.forward(cache, seq[:10])
+            out[rows] = m.forward(cache, seq[10:], all_logits=True).float()
+        err = (out[32] - out[0]).abs().max().item()
+        print(f"partitioned prefill on {DEVICE} in {dtype}: max |logit diff| {err:.2e}")
+        assert err < tol * max(out[0].abs().max().item(), 1.0)
