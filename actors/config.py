@@ -37,6 +37,10 @@ class ServiceConfig:
     max_context_tokens: int = 0
     """Longest context before overflow handling, tokens (also the working set's size); 0: the model's
     position limit (8,192 for the default model)."""
+    prefill_budget_bytes: int = 0
+    """Memory a call's prefill may take, bytes: its transient tensors and the context's K/V in the working
+    set, as estimated before it runs (`actors.admission`); a prompt that does not fit even in row
+    partitions answers 413 before any work. 0: no budget."""
     max_contexts_per_app: int = 0
     """Per-app limit K of contexts; 0 for none."""
     read_bytes_per_s: float = 0.0
@@ -75,6 +79,8 @@ class ServiceConfig:
         if isinstance(self.tuning, dict):  # from a config file or a Serve application's arguments
             self.tuning = tuning_from(self.tuning)
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
+        if self.prefill_budget_bytes < 0:
+            raise ValueError("prefill_budget_bytes must be >= 0 (0: no budget)")
         if self.kv_format not in ("float", "kv8"):
             raise ValueError(f"unknown KV format {self.kv_format!r}; valid: float, kv8")
         if self.kv_format != "float":

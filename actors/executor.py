@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from actors.admission import admit_prefill, prefill_shape
 from actors.messages import CallOutcome, CallPlan, RestoreRequest, RestoreStats
 from actors.recompute import stage_seconds
 from actors.restore import host_view, restore
@@ -162,12 +163,14 @@ class ModelExecutor:
         background: bool = True,
         overlap_admit: bool = False,
         adapters: AdapterSet | None = None,
+        prefill_budget: int = 0,
     ) -> None:
         """`background`: write back after the reply on a thread of its own. `overlap_admit`: a call
         waits for the previous write-back only until it has encoded its chunks from the working set,
         unless both are on the same context (`ServiceConfig.overlap_admit`); the governor port must
         then take calls from two threads at once (the Ray stub's actor serialises them). `adapters`:
-        the LoRA adapters this process has loaded (engine.lora), shared with an in-process restorer."""
+        the LoRA adapters this process has loaded (engine.lora), shared with an in-process restorer.
+        `prefill_budget`: bytes a call's prefill may take (`ServiceConfig.prefill_budget_bytes`, 0: none)."""
         self.engine = engine
         self.model = engine.model
         self.adapters = adapters or AdapterSet(None, engine.model.cfg)
@@ -191,6 +194,8 @@ class ModelExecutor:
         self._encoded.set()
         self._pending_views = False  # that write-back reads views of its chunks taken at the commit
         self.overlap_admit = overlap_admit and background
+        self.prefill_budget = prefill_budget
+        self._shape = prefill_shape(self.model, engine.cfg.kv_format) if prefill_budget else None
         self._lock = threading.Lock()
 
     @property
@@ -288,7 +293,7 @@ class ModelExecutor:
             ectx = LiveContext(id="", system_prompt=system_prompt, token_ids=ids, conv=Conversation(turns),
                                cache=self.ws, density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
                                adapter=self.adapters.get(adapter) if adapter else None)
-            stream = self.engine.stream(ectx, prompt, **params)
+            stream = self.engine.stream(ectx, prompt, **self._admit(ectx, prompt, params))
             for delta in stream:
                 _check_deadline(deadline, "the call ran past its deadline")
                 yield delta
@@ -440,12 +445,21 @@ class ModelExecutor:
         stats.seconds = time.perf_counter() - tr
         return stats
 
+    def _admit(self, ectx: LiveContext, prompt: str, params: dict) -> dict:
+        """The engine's call parameters once the prefill is admitted under the budget (its row
+        partitions set by the plan); `PromptTooLongError` with the estimate when it does not fit."""
+        if not self.prefill_budget:
+            return params
+        plan = admit_prefill(self._shape, self.engine.new_tokens(ectx, prompt), ectx.cache.length,
+                             self.prefill_budget)
+        return dict(params, partition_rows=plan.partition_rows if plan.kind == "moderate" else None)
+
     def _run_engine(self, step: "_Step", prompt: str, deadline: float | None, params: dict):
         """Prefill and decode against the restored context (a generator of deltas); returns the engine
         context, the first chunk the call changed and the engine's result."""
         ectx = step.ectx if step.ectx is not None else self._engine_context(step.plan)
         old_kv, old_overflows = ectx.cache.length, ectx.overflows
-        stream = self.engine.stream(ectx, prompt, **params)
+        stream = self.engine.stream(ectx, prompt, **self._admit(ectx, prompt, params))
         for delta in stream:
             _check_deadline(deadline, "the call ran past its deadline; its turn was rolled back")
             yield delta

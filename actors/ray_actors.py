@@ -359,7 +359,8 @@ class ExecutorActor(Health):
         self.refs = refs
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=refs.put, background=True,  # write-back after the reply
-                                overlap_admit=c.overlap_admit, adapters=adapters)
+                                overlap_admit=c.overlap_admit, adapters=adapters,
+                                prefill_budget=c.prefill_budget_bytes)
         self.ex.load_recorded_adapters()
         # after a restart: the call in flight died with the old process, whose objects (the resident
         # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)

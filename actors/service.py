@@ -252,7 +252,8 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     m = engine.model
     adapters = AdapterSet(config.adapter_dir(), m.cfg, device=m.device, dtype=m.dtype)
     restorer = InProcessRestorer(m, io, streaming_stores=t.streaming_stores, adapters=adapters)
-    executor = ModelExecutor(engine, governor, restorer, adapters=adapters)
+    executor = ModelExecutor(engine, governor, restorer, adapters=adapters,
+                             prefill_budget=config.prefill_budget_bytes)
     executor.load_recorded_adapters()
 
     def close() -> None:

@@ -56,6 +56,8 @@ def options_from_args(args) -> dict:
         opts["weights"] = args.weights
     if getattr(args, "kv_format", None):
         opts["kv_format"] = args.kv_format
+    if getattr(args, "prefill_budget", None) is not None:
+        opts["prefill_budget_bytes"] = args.prefill_budget
     if getattr(args, "adapter_root", None):
         opts["adapter_root"] = str(Path(args.adapter_root).expanduser().resolve())
     from engine.quant import WeightFormat

@@ -216,10 +216,12 @@ class ContextEngine:
         assert stream.result is not None
         return stream.result
 
-    def stream(self, ctx: LiveContext, prompt: str, progress: bool = False, **params) -> CallStream:
+    def stream(self, ctx: LiveContext, prompt: str, progress: bool = False, partition_rows: int | None = None,
+               **params) -> CallStream:
         """Start a call; iterate the returned stream for text deltas (and, with `progress`, a
         `PrefillProgress` after each layer of a prefill of `PROGRESS_MIN_TOKENS` or more, before the
-        first delta). Arguments are checked here, before anything in the context changes."""
+        first delta). `partition_rows`: the prefill's row partitions (`Transformer.forward_steps`).
+        Arguments are checked here, before anything in the context changes."""
         if not isinstance(prompt, str):
             raise BadRequestError("prompt must be a string")
         sp = SamplingParams(**params)
@@ -228,14 +230,18 @@ class ContextEngine:
             raise PromptTooLongError(
                 f"prompt of {len(new_ids)} tokens does not fit the context limit of {self.limit} tokens"
             )
-        return CallStream(self._run(ctx, prompt, new_ids, sp, progress))
+        return CallStream(self._run(ctx, prompt, new_ids, sp, progress, partition_rows))
 
     # ---- internals ---------------------------------------------------------------------------------
     def tail_room(self) -> int:
         """Most tokens a fresh turn may take: what overflow keeps, less the sink chunk."""
         return int(self.limit * self.cfg.overflow_keep_fraction) - self.cfg.chunk_tokens
 
-    def _step(self, ctx: LiveContext, progress: bool = False):
+    def new_tokens(self, ctx: LiveContext, prompt: str) -> int:
+        """Tokens a call with `prompt` would prefill on `ctx` (pending ids and the user turn)."""
+        return len(ctx.token_ids) - ctx.cache.length + len(self.tok.user_turn_ids(ctx.conv, prompt))
+
+    def _step(self, ctx: LiveContext, progress: bool = False, partition_rows: int | None = None):
         """Prefill every pending id of `ctx` (overflowing first if needed): a generator of
         `PrefillProgress` events (with `progress`, for a long prefill) returning the last id's logits."""
         if len(ctx.token_ids) > self.limit:
@@ -243,7 +249,8 @@ class ContextEngine:
         pending = ctx.token_ids[ctx.cache.length :]
         start = ctx.cache.length
         acc = torch.zeros(start + len(pending), dtype=torch.float32, device=self.model.device)
-        steps = self.model.forward_steps(ctx.cache, pending, density=acc, adapter=ctx.adapter)
+        steps = self.model.forward_steps(ctx.cache, pending, density=acc, adapter=ctx.adapter,
+                                         partition_rows=partition_rows)
         report = progress and len(pending) >= PROGRESS_MIN_TOKENS
         try:
             while True:
@@ -271,13 +278,15 @@ class ContextEngine:
         ctx.overflows += 1
         ctx.dropped_tokens += len(ids) - len(ctx.token_ids)
 
-    def _run(self, ctx: LiveContext, prompt: str, new_ids: list[int], sp: SamplingParams, progress: bool = False):
+    def _run(self, ctx: LiveContext, prompt: str, new_ids: list[int], sp: SamplingParams, progress: bool = False,
+             partition_rows: int | None = None):
         t0 = time.perf_counter()
         saved = _Snapshot.take(ctx)
         try:
             ctx.conv.turns.append(Turn("user", prompt))
             ctx.token_ids.extend(new_ids)
-            out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0, progress)
+            out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0, progress,
+                                                                               partition_rows)
         except BaseException:
             # a failed or abandoned call (error, client gone, generator closed) leaves no half turn
             saved.restore(ctx)
@@ -329,7 +338,8 @@ class ContextEngine:
 
         return CallStream(run())
 
-    def _decode(self, ctx: LiveContext, sp: SamplingParams, t0: float, progress: bool = False):
+    def _decode(self, ctx: LiveContext, sp: SamplingParams, t0: float, progress: bool = False,
+                partition_rows: int | None = None):
         """Prefill what is pending and decode a reply, yielding text deltas; returns (generated ids, text,
         finish reason, seconds to first token, ids attended for the first token, ids prefilled for it)."""
         gen = sp.generator(self.model.device)
@@ -339,7 +349,7 @@ class ContextEngine:
         ttft = 0.0
         text = ""
         before = ctx.prefilled_tokens
-        logits = yield from self._step(ctx, progress)
+        logits = yield from self._step(ctx, progress, partition_rows)
         seen, prefilled = len(ctx.token_ids), ctx.prefilled_tokens - before
         while True:
             tok = sample(logits, sp, gen)

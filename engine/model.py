@@ -315,6 +315,7 @@ class Transformer:
         all_logits: bool = False,
         sdpa: bool = False,
         adapter: Adapter | None = None,
+        partition_rows: int | None = None,
     ):
         """Append `token_ids` to the context in `cache`: a generator that yields the number of layers done
         after each layer (a long prefill's progress) and returns the logits (`StopIteration.value`).
@@ -326,7 +327,8 @@ class Transformer:
         the products; the cache's K/V must have been computed under the same one. Requires every chunk
         to be present. More than `EngineConfig.prefill_partition_rows` tokens run in partitions of that
         many, layer by layer: a partition attends to the K/V its layer wrote for the rows before it, so
-        the result is the one-pass result up to float summation order.
+        the result is the one-pass result up to float summation order (`partition_rows` sets the
+        partition for this pass instead; 0 is one pass).
         """
         if cache.missing:
             raise RuntimeError(f"forward over a context with missing chunks {sorted(cache.missing)}")
@@ -339,7 +341,7 @@ class Transformer:
             cache.truncate(start)
             raise ValueError(f"position {start + n} beyond the model's {self.cos.shape[0]} positions")
         pos = torch.arange(start, start + n, device=self.device)
-        p = self.engine_cfg.prefill_partition_rows
+        p = self.engine_cfg.prefill_partition_rows if partition_rows is None else partition_rows
         parts = [(r, min(n, r + p)) for r in range(0, n, p)] if 0 < p < n else [(0, n)]
         try:
             x = self.w.embed(ids)  # [n, hidden]

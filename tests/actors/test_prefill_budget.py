@@ -1,0 +1,67 @@
+"""A call's prefill admitted under `ServiceConfig.prefill_budget_bytes` (actors/admission.py): a long
+prompt whose one-pass estimate is over the budget runs in the planner's row partitions and answers
+as without a budget; one that cannot fit is refused with `prompt_too_long` and the estimate before any
+prefill, and the context goes on as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.admission import prefill_shape
+from actors.service import ServiceConfig, wire_local
+from engine.config import EngineConfig
+from engine.context import ContextEngine
+from scheduler.pipeline import CostProfile
+from scheduler.prefill import plan_prefill
+
+PROFILE = CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json()
+SYSTEM = "You are terse."
+LONG = "Summarise this list: " + " ".join(f"item {i} is a {['red', 'blue', 'green'][i % 3]} box," for i in range(120))
+
+
+@pytest.fixture(scope="module")
+def small_engine(engine):
+    return ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=2048))
+
+
+def test_a_long_prompt_runs_in_partitions_or_is_refused_with_its_estimate(small_engine, tmp_path, monkeypatch):
+    e = small_engine
+    ref = e.new_ctx(SYSTEM)
+    new, cached = e.new_tokens(ref, LONG), ref.cache.length
+    want = e.call(ref, LONG, max_tokens=8).token_ids
+    shape = prefill_shape(e.model, "float")
+    one_pass = plan_prefill(shape, new, cached, 1 << 40).peak
+    budget = one_pass - 1
+    plan = plan_prefill(shape, new, cached, budget)
+    assert new > 600 and plan.kind == "moderate" and plan.partitions >= 2, plan
+
+    passes = []
+    forward_steps = e.model.forward_steps
+    monkeypatch.setattr(e.model, "forward_steps", lambda cache, ids, **kw: (
+        passes.append((len(ids), kw.get("partition_rows"))), forward_steps(cache, ids, **kw))[1])
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path / "a"), max_context_tokens=2048, profile=PROFILE,
+                                   prefill_budget_bytes=budget), engine=e)
+    try:
+        tok = svc.bind("app")
+        ctx = svc.new_ctx(tok, SYSTEM)
+        assert svc.call(tok, ctx, LONG, max_tokens=8).token_ids == want  # partitions change nothing
+        assert (new, plan.partition_rows) in passes  # the prefill ran in the plan's partitions
+    finally:
+        svc.close()
+
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path / "b"), max_context_tokens=2048, profile=PROFILE,
+                                   prefill_budget_bytes=8 << 20), engine=e)
+    try:
+        tok = svc.bind("app")
+        ctx = svc.new_ctx(tok, SYSTEM)
+        before = svc.describe(tok, ctx)
+        with pytest.raises(Exception) as err:
+            svc.call(tok, ctx, LONG, max_tokens=8)
+        assert getattr(err.value, "code", "") == "prompt_too_long" and "MiB" in str(err.value)
+        after = svc.describe(tok, ctx)
+        assert (after["tokens"], after["turns"]) == (before["tokens"], before["turns"])
+        assert svc.call(tok, ctx, "Hi.", max_tokens=4).token_ids  # a short call still fits
+    finally:
+        svc.close()
+    with pytest.raises(ValueError, match="prefill_budget_bytes"):
+        ServiceConfig(data_dir=str(tmp_path), prefill_budget_bytes=-1)
