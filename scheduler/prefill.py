@@ -207,7 +207,7 @@ def kv_bytes(shape: PrefillShape, tokens: int, layers: int | None = None) -> int
     return count("tokens", tokens) * shape.row_kv_bytes * (shape.n_layers if layers is None else layers)
 
 
-def _peak(shape: PrefillShape, new: int, cached: int, rows: int, *, severe: bool, spill: bool) -> int:
+def peak_bytes(shape: PrefillShape, new: int, cached: int, rows: int, *, severe: bool, spill: bool) -> int:
     """Highest estimated bytes of a prefill run in partitions of ``rows``: the last partition's steps
     (it sees the most keys) beside the hidden state of the rows not in it and the K/V in the budget."""
     rows = min(rows, new)
@@ -220,22 +220,22 @@ def _peak(shape: PrefillShape, new: int, cached: int, rows: int, *, severe: bool
 def plan_prefill(shape: PrefillShape, new: int, cached: int, budget: int) -> PrefillPlan:
     """The lightest plan whose estimated peak fits ``budget`` bytes (see the module docstring)."""
     new, cached, budget = count("new", new, 1), count("cached", cached), count("budget", budget)
-    peak = _peak(shape, new, cached, new, severe=False, spill=False)
+    peak = peak_bytes(shape, new, cached, new, severe=False, spill=False)
     if peak <= budget:
         return PrefillPlan("none", new, cached, new, False, peak, budget)
     sizes = [r for r in _partition_sizes(new) if r < new]
     for r in sizes:
-        peak = _peak(shape, new, cached, r, severe=False, spill=False)
+        peak = peak_bytes(shape, new, cached, r, severe=False, spill=False)
         if peak <= budget:
             return PrefillPlan("moderate", new, cached, r, False, peak, budget)
     for spill in (False, True):
         for r in sizes or [new]:
-            peak = _peak(shape, new, cached, r, severe=True, spill=spill)
+            peak = peak_bytes(shape, new, cached, r, severe=True, spill=spill)
             if peak <= budget:
                 return PrefillPlan("severe", new, cached, r, spill, peak, budget)
     smallest = min(MIN_PARTITION_ROWS, new)
     return PrefillPlan("refuse", new, cached, smallest, True,
-                       _peak(shape, new, cached, smallest, severe=True, spill=True), budget)
+                       peak_bytes(shape, new, cached, smallest, severe=True, spill=True), budget)
 
 
 def _partition_sizes(new: int) -> list[int]:
