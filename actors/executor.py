@@ -196,6 +196,7 @@ class ModelExecutor:
         self.overlap_admit = overlap_admit and background
         self.prefill_budget = prefill_budget
         self._shape = prefill_shape(self.model, engine.cfg.kv_format) if prefill_budget else None
+        self._plan_kind = ""  # the last admitted prefill's plan (`CallOutcome.prefill_plan`)
         self._lock = threading.Lock()
 
     @property
@@ -303,7 +304,7 @@ class ModelExecutor:
             completion_tokens=r.completion_tokens, switch_ms=0.0, restore=RestoreStats(), predicted_restore_ms=0.0,
             model_restore_ms=0.0, ttft_s=r.ttft_s, total_s=time.perf_counter() - t0,
             prefilled_tokens=r.prefilled_tokens, cached_tokens=r.cached_tokens, context_tokens=r.context_tokens,
-            dropped_tokens=r.dropped_tokens)
+            dropped_tokens=r.dropped_tokens, prefill_plan=self._plan_kind)
 
     def stream_stateless(self, system_prompt: str | None, history, prompt: str, params: dict):
         """`call_stateless` as the port has it: text deltas, then the `CallOutcome` as the last item."""
@@ -381,7 +382,7 @@ class ModelExecutor:
             ttft_s=t_engine - t0 + r.ttft_s,  # from the call's arrival: the switch is inside
             total_s=time.perf_counter() - t0, prefilled_tokens=r.prefilled_tokens,
             cached_tokens=r.cached_tokens, hit=step.cached, context_tokens=r.context_tokens,
-            dropped_tokens=r.dropped_tokens)
+            dropped_tokens=r.dropped_tokens, prefill_plan=self._plan_kind)
 
     # ---- the call's steps ---------------------------------------------------------------------------
     def _lock_and_plan(self, app: str | None, ctx_id: str, behind: bool = False) -> "_Step":
@@ -452,6 +453,7 @@ class ModelExecutor:
             return params
         plan = admit_prefill(self._shape, self.engine.new_tokens(ectx, prompt), ectx.cache.length,
                              self.prefill_budget)
+        self._plan_kind = plan.kind
         return dict(params, partition_rows=plan.partition_rows if plan.kind == "moderate" else None)
 
     def _run_engine(self, step: "_Step", prompt: str, deadline: float | None, params: dict):

@@ -228,6 +228,9 @@ class CallOutcome:
     the OpenAI route's `usage.prompt_tokens`)."""
     dropped_tokens: int = 0
     """Tokens the overflow rule cut from the context's start during this call."""
+    prefill_plan: str = ""
+    """How the prefill ran under `ServiceConfig.prefill_budget_bytes` (`none`, `moderate`); "" without
+    a budget."""
 
 
 @dataclass(slots=True)

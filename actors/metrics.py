@@ -36,6 +36,9 @@ class Metrics:
         self.decode_seconds = Counter(p + "decode_seconds_total", "Seconds spent after the first token "
                                       "(tokens/s = rate(tokens) / rate(decode seconds))", ["policy"], registry=r)
         self.calls = Counter(p + "calls_total", "Model calls by outcome", ["policy", "outcome"], registry=r)
+        self.prefill_tokens = Counter(p + "prefill_tokens_total", "Tokens prefilled, by how the prefill ran under "
+                                      "the prefill budget (none, moderate: row partitions; unbudgeted: no budget)",
+                                      ["plan"], registry=r)
         self.recompute = Counter(p + "recompute_chunks_total", "Chunks recomputed from token ids",
                                  ["policy", "reason"], registry=r)
         self.io_fraction = Gauge(p + "pipeline_io_fraction", "Of the last restore's missing chunks, the "
@@ -81,12 +84,10 @@ def init_executor_series(m: Metrics, policy: str) -> None:
         m.switch.labels(policy, o)
     m.ttft.labels(policy)
     m.tokens.labels(policy)
+    m.prefill_tokens.labels("unbudgeted")
     m.decode_seconds.labels(policy)
     for reason in ("planned", "fault"):
         m.recompute.labels(policy, reason)
-
-
-BITS = {"raw": "32", "fp16": "16", "bf16": "16", "q8": "8", "q4": "4", "q2": "2"}
 
 
 def targets_dir(data_dir: str) -> Path:

@@ -287,7 +287,7 @@ class GovernorActor(Health):
 
     def _publish(self) -> None:
         """Gauges from the governor's books after every change (cheap: one pass over the chunk rows)."""
-        from actors.metrics import BITS
+        from scheduler.levels import nominal_bits
 
         m, g, policy = self.metrics, self.gov, self.gov.cfg.policy
         counts: dict[tuple[str, str], int] = {}
@@ -295,7 +295,7 @@ class GovernorActor(Health):
         for book in g.books.values():
             for ch in book.chunks.values():
                 state = "resident" if ch.handle is not None else ("swapped" if ch.file else "missing")
-                key = (state, BITS.get(ch.level, ch.level))
+                key = (state, str(nominal_bits(ch.level, g.cfg.dtype)))  # raw: the working set's bits
                 counts[key] = counts.get(key, 0) + 1
                 disk += ch.file_nbytes if ch.file else 0
         m.chunks.clear()
@@ -387,6 +387,7 @@ class ExecutorActor(Health):
         m.calls.labels(p, outcome).inc()
         m.ttft.labels(p).observe(out["ttft_s"])
         m.tokens.labels(p).inc(out["completion_tokens"])
+        m.prefill_tokens.labels(out["prefill_plan"] or "unbudgeted").inc(out["prefilled_tokens"])
         m.decode_seconds.labels(p).inc(max(0.0, out["total_s"] - out["ttft_s"]))
         if r["recomputed"]:
             m.recompute.labels(p, "fault").inc(r["faults"])

@@ -44,8 +44,10 @@ def test_a_long_prompt_runs_in_partitions_or_is_refused_with_its_estimate(small_
     try:
         tok = svc.bind("app")
         ctx = svc.new_ctx(tok, SYSTEM)
-        assert svc.call(tok, ctx, LONG, max_tokens=8).token_ids == want  # partitions change nothing
+        out = svc.call(tok, ctx, LONG, max_tokens=8)
+        assert out.token_ids == want and out.prefill_plan == "moderate"  # partitions change nothing
         assert (new, plan.partition_rows) in passes  # the prefill ran in the plan's partitions
+        assert svc.call(tok, ctx, "Thanks.", max_tokens=4).prefill_plan == "none"
     finally:
         svc.close()
 
