@@ -22,13 +22,9 @@ def prefill_shape(model, kv_format: str) -> PrefillShape:
     w = model.w.layers[0]
     quantized = not isinstance(w.wqkv, FloatLinear)  # de-quantized per product of many rows
     kv8 = kv_format == "kv8"
-    from engine.model import attention_kernel
-
-    native = (model.engine_cfg.native_attention and model.device.type == "cpu" and a == 4
-              and attention_kernel() is not None)
     return PrefillShape(
         cfg.hidden_size, cfg.intermediate_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-        act_bytes=a, kv8=kv8, native_attention=native,
+        act_bytes=a, kv8=kv8, native_attention=model.compiled_attention,
         kv_row_bytes=2 * cfg.n_kv_heads * (kvformat.row_bytes(cfg.head_dim) if kv8 else cfg.head_dim * a),
         qkv_weight_bytes=a * w.wqkv.n * w.wqkv.k if quantized else 0,
         mlp_weight_bytes=a * max(w.w_gate_up.n * w.w_gate_up.k, w.w_down.n * w.w_down.k) if quantized else 0)

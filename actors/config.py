@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from engine.config import check_kv_format
 from engine.quant import WeightFormat
 
 
@@ -81,18 +82,22 @@ class ServiceConfig:
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
         if self.prefill_budget_bytes < 0:
             raise ValueError("prefill_budget_bytes must be >= 0 (0: no budget)")
-        if self.kv_format not in ("float", "kv8"):
-            raise ValueError(f"unknown KV format {self.kv_format!r}; valid: float, kv8")
-        if self.kv_format != "float":
-            from scheduler.policies import get_policy
-
-            if get_policy(self.policy).compression == "none":
-                raise ValueError(f"policy {self.policy!r} is lossless: it cannot run on a {self.kv_format} "
-                                 "working set (choose kv_format float, or a policy that compresses)")
+        check_working_set(self.kv_format, self.policy)
 
     def adapter_dir(self) -> str:
         """The adapter root in effect (`adapter_root`, or `<data_dir>/adapters`)."""
         return self.adapter_root or os.path.join(self.data_dir, "adapters")
+
+
+def check_working_set(kv_format: str, policy: str) -> None:
+    """ValueError for an unknown KV format, or a lossy one (kv8) under a policy that promises lossless
+    K/V."""
+    from scheduler.policies import get_policy
+
+    check_kv_format(kv_format)
+    if kv_format != "float" and get_policy(policy).compression == "none":
+        raise ValueError(f"policy {policy!r} is lossless: it cannot run on a {kv_format} working set "
+                         "(use kv_format float, or a policy that compresses, e.g. llms)")
 
 
 def tuning_from(options: dict) -> Tuning:

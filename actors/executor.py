@@ -196,7 +196,6 @@ class ModelExecutor:
         self.overlap_admit = overlap_admit and background
         self.prefill_budget = prefill_budget
         self._shape = prefill_shape(self.model, engine.cfg.kv_format) if prefill_budget else None
-        self._plan_kind = ""  # the last admitted prefill's plan (`CallOutcome.prefill_plan`)
         self._lock = threading.Lock()
 
     @property
@@ -294,7 +293,8 @@ class ModelExecutor:
             ectx = LiveContext(id="", system_prompt=system_prompt, token_ids=ids, conv=Conversation(turns),
                                cache=self.ws, density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
                                adapter=self.adapters.get(adapter) if adapter else None)
-            stream = self.engine.stream(ectx, prompt, **self._admit(ectx, prompt, params))
+            prefill, engine_params = self._admit(ectx, prompt, params)
+            stream = self.engine.stream(ectx, prompt, **engine_params)
             for delta in stream:
                 _check_deadline(deadline, "the call ran past its deadline")
                 yield delta
@@ -304,7 +304,7 @@ class ModelExecutor:
             completion_tokens=r.completion_tokens, switch_ms=0.0, restore=RestoreStats(), predicted_restore_ms=0.0,
             model_restore_ms=0.0, ttft_s=r.ttft_s, total_s=time.perf_counter() - t0,
             prefilled_tokens=r.prefilled_tokens, cached_tokens=r.cached_tokens, context_tokens=r.context_tokens,
-            dropped_tokens=r.dropped_tokens, prefill_plan=self._plan_kind)
+            dropped_tokens=r.dropped_tokens, prefill_plan=prefill)
 
     def stream_stateless(self, system_prompt: str | None, history, prompt: str, params: dict):
         """`call_stateless` as the port has it: text deltas, then the `CallOutcome` as the last item."""
@@ -361,7 +361,7 @@ class ModelExecutor:
                 if not step.cached:  # the measurement goes to the governor's cost models, outside the switch
                     self.gov.record_restore(ctx_id, stats.seconds, stage_seconds(stats.timeline))
                 t_engine = time.perf_counter()
-                ectx, first_modified, r = yield from self._run_engine(step, prompt, deadline, params)
+                ectx, first_modified, r, prefill = yield from self._run_engine(step, prompt, deadline, params)
                 if step.confirm is not None:
                     step.confirm()  # the deferred begin_call's errors surface here, before anything is committed
                     step.confirm = None
@@ -382,7 +382,7 @@ class ModelExecutor:
             ttft_s=t_engine - t0 + r.ttft_s,  # from the call's arrival: the switch is inside
             total_s=time.perf_counter() - t0, prefilled_tokens=r.prefilled_tokens,
             cached_tokens=r.cached_tokens, hit=step.cached, context_tokens=r.context_tokens,
-            dropped_tokens=r.dropped_tokens, prefill_plan=self._plan_kind)
+            dropped_tokens=r.dropped_tokens, prefill_plan=prefill)
 
     # ---- the call's steps ---------------------------------------------------------------------------
     def _lock_and_plan(self, app: str | None, ctx_id: str, behind: bool = False) -> "_Step":
@@ -446,22 +446,22 @@ class ModelExecutor:
         stats.seconds = time.perf_counter() - tr
         return stats
 
-    def _admit(self, ectx: LiveContext, prompt: str, params: dict) -> dict:
-        """The engine's call parameters once the prefill is admitted under the budget (its row
-        partitions set by the plan); `PromptTooLongError` with the estimate when it does not fit."""
+    def _admit(self, ectx: LiveContext, prompt: str, params: dict) -> tuple[str, dict]:
+        """The prefill's plan under the budget ("" without one) and the engine's call parameters (the
+        plan's row partitions); `PromptTooLongError` with the estimate when it does not fit."""
         if not self.prefill_budget:
-            return params
+            return "", params
         plan = admit_prefill(self._shape, self.engine.new_tokens(ectx, prompt), ectx.cache.length,
                              self.prefill_budget)
-        self._plan_kind = plan.kind
-        return dict(params, partition_rows=plan.partition_rows if plan.kind == "moderate" else None)
+        return plan.kind, dict(params, partition_rows=plan.partition_rows if plan.kind == "moderate" else None)
 
     def _run_engine(self, step: "_Step", prompt: str, deadline: float | None, params: dict):
         """Prefill and decode against the restored context (a generator of deltas); returns the engine
-        context, the first chunk the call changed and the engine's result."""
+        context, the first chunk the call changed, the engine's result and the prefill's plan."""
         ectx = step.ectx if step.ectx is not None else self._engine_context(step.plan)
         old_kv, old_overflows = ectx.cache.length, ectx.overflows
-        stream = self.engine.stream(ectx, prompt, **self._admit(ectx, prompt, params))
+        prefill, engine_params = self._admit(ectx, prompt, params)
+        stream = self.engine.stream(ectx, prompt, **engine_params)
         for delta in stream:
             _check_deadline(deadline, "the call ran past its deadline; its turn was rolled back")
             yield delta
@@ -473,7 +473,7 @@ class ModelExecutor:
             self.ws.kv[:, :, :, :n].copy_(ectx.cache.kv[:, :, :, :n])
             ectx.cache = self.ws
         first_modified = 0 if ectx.overflows != old_overflows else old_kv // self.chunk
-        return ectx, first_modified, stream.result
+        return ectx, first_modified, stream.result, prefill
 
     def _abort(self, step: "_Step") -> None:
         """A call failed: the working set may hold half of it (restore next time); unlock the context."""

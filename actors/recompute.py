@@ -23,9 +23,8 @@ import torch
 from actors.config import Tuning, private_files
 from actors.messages import RestoreRequest, RestoreStats
 from actors.restore import restore
-from engine import kvformat
 from engine.config import ModelConfig
-from engine.kvcache import KVCache
+from engine.kvcache import KVCache, buffer_shape
 
 
 _STAGE_OF = {"resident": "decode", "decode": "decode", "read": "io", "recompute": "recompute"}
@@ -44,9 +43,7 @@ def stage_seconds(timeline) -> dict[str, float]:
 
 
 def _working_set_shape(cfg: ModelConfig, capacity: int, kv_format: str) -> tuple[tuple[int, ...], type]:
-    if kv_format == "kv8":
-        return (cfg.n_layers, 2, cfg.n_kv_heads, capacity, kvformat.row_bytes(cfg.head_dim)), np.uint8
-    return (cfg.n_layers, 2, cfg.n_kv_heads, capacity, cfg.head_dim), np.float32
+    return buffer_shape(cfg, capacity, kv_format), np.uint8 if kv_format == "kv8" else np.float32
 
 
 def working_set_nbytes(cfg: ModelConfig, capacity: int, kv_format: str = "float") -> int:

@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     from engine.config import EngineConfig
     from engine.context import ContextEngine
     from engine.memtrack import TensorTracker
-    from scheduler.prefill import PrefillShape, estimate_steps, peak_bytes
+    from actors.admission import prefill_shape
+    from scheduler.prefill import estimate_steps, peak_bytes
 
     torch.set_num_threads(a.threads)
     engine = ContextEngine.load(None, EngineConfig(), progress=False)
@@ -63,10 +64,9 @@ def main(argv=None) -> int:
             for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
                 ttft.setdefault((n, name), []).append(prefill(n, modes[name]))
 
-    shape = PrefillShape(cfg.hidden_size, cfg.intermediate_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                         cfg.head_dim)
     peaks: dict[tuple[int, str], tuple[int, int]] = {}
     model.engine_cfg.native_attention = False
+    shape = prefill_shape(model, "float")  # the torch attention kernel's estimate, as the tracker sees it
     for n in a.lengths:
         for name, rows in modes.items():
             model.engine_cfg.prefill_partition_rows = rows

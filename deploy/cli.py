@@ -285,6 +285,12 @@ KV_FORMAT_HELP = ("how contexts' K/V is held in memory: float (default, the comp
                   "perplexity on the default model; not with a lossless policy)")
 
 
+def _kv_formats() -> tuple[str, ...]:
+    from engine.config import KV_FORMATS
+
+    return KV_FORMATS
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
                    help="GGUF file or Hugging Face checkpoint directory (Llama, Qwen2); default: the embedded "
@@ -293,7 +299,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--weights", default="fp32", metavar="FORMAT", help=WEIGHTS_HELP)
-    p.add_argument("--kv-format", default="float", choices=["float", "kv8"], help=KV_FORMAT_HELP)
+    p.add_argument("--kv-format", default="float", choices=_kv_formats(), help=KV_FORMAT_HELP)
     p.add_argument("--max-context", type=int, default=0, metavar="TOKENS",
                    help="context length before overflow handling (default: the model's maximum)")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens per reply (default 256)")
@@ -352,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
                    help="GGUF file or checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--weights", default=None, metavar="FORMAT", help=WEIGHTS_HELP)
-    s.add_argument("--kv-format", default=None, choices=["float", "kv8"], help=KV_FORMAT_HELP)
+    s.add_argument("--kv-format", default=None, choices=_kv_formats(), help=KV_FORMAT_HELP)
     s.add_argument("--prefill-budget", type=int, default=None, metavar="BYTES",
                    help="memory a call's prefill may take (transient tensors and the context's K/V), estimated "
                         "before it runs: long prompts run in row partitions that fit, or answer 413 (default: none)")

@@ -18,7 +18,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from actors.config import ServiceConfig, prepare_data_dir
+from actors.config import ServiceConfig, check_working_set, prepare_data_dir
 from deploy.settings import ServerConfig, admin_token, private_secret
 
 
@@ -65,10 +65,8 @@ def options_from_args(args) -> dict:
 
     WeightFormat.parse(str(opts.get("weights", "fp32")))  # a bad format fails here, listing the valid ones
 
-    policy = get_policy(opts.get("policy", "llms"))  # unknown names fail here, listing the valid ones
-    if opts.get("kv_format", "float") != "float" and policy.compression == "none":
-        raise ValueError(f"policy {policy.name!r} is lossless: it cannot run on a {opts['kv_format']} working "
-                         "set (use --kv-format float, or a policy that compresses, e.g. llms)")
+    get_policy(opts.get("policy", "llms"))  # unknown names fail here, listing the valid ones
+    check_working_set(str(opts.get("kv_format", "float")), opts.get("policy", "llms"))
     if int(opts.get("pool_bytes", 1)) <= 0:
         raise ValueError("--kv-budget must be a positive number of bytes")
     return opts

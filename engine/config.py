@@ -15,6 +15,10 @@ from typing import Any
 from engine.quant import WeightFormat
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+KV_FORMATS = ("float", "kv8")
+"""How a working set holds K/V (engine/kvformat.py): the compute dtype, or int8 keys and fp8 values."""
+KV8_SCALE_BYTES = 4
+"""A kv8 row is a head's D values and then one float32 scale."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +171,14 @@ class EngineConfig:
         if self.prefill_partition_rows < 0:
             raise ValueError("prefill_partition_rows must be >= 0")
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
-        if self.kv_format not in ("float", "kv8"):  # engine.kvformat.KV_FORMATS (imports torch)
-            raise ValueError(f"unknown KV format {self.kv_format!r}; valid: float, kv8")
+        check_kv_format(self.kv_format)
+
+
+def check_kv_format(name: str) -> str:
+    """`name` if it is one of `KV_FORMATS`; ValueError listing them otherwise."""
+    if name not in KV_FORMATS:
+        raise ValueError(f"unknown KV format {name!r}; valid: {', '.join(KV_FORMATS)}")
+    return name
 
 
 def resolve_device_dtype(cfg: EngineConfig):
@@ -197,4 +207,5 @@ def round_up(a: int, b: int) -> int:
     return ceil_div(a, b) * b
 
 
-__all__ = ["ModelConfig", "RopeConfig", "EngineConfig", "resolve_device_dtype", "ceil_div", "round_up"]
+__all__ = ["ModelConfig", "RopeConfig", "EngineConfig", "resolve_device_dtype", "ceil_div", "round_up", "KV_FORMATS",
+           "KV8_SCALE_BYTES", "check_kv_format"]

@@ -25,7 +25,13 @@ import numpy as np
 import torch
 
 from engine import kvformat
-from engine.config import ModelConfig, ceil_div, round_up
+from engine.config import ModelConfig, ceil_div, check_kv_format, round_up
+
+
+def buffer_shape(cfg: ModelConfig, capacity: int, kv_format: str) -> tuple[int, ...]:
+    """The shape of a working set's buffer: `[L, 2, Hkv, capacity, D]`, rows of `D + 4` bytes in kv8."""
+    d = kvformat.row_bytes(cfg.head_dim) if kv_format == "kv8" else cfg.head_dim
+    return (cfg.n_layers, 2, cfg.n_kv_heads, capacity, d)
 
 
 class KVCache:
@@ -44,7 +50,7 @@ class KVCache:
         self.device = device
         self.dtype = dtype
         """The compute dtype: what `layer_kv` gives and `write` takes."""
-        self.kv_format = kvformat.check_format(kv_format)
+        self.kv_format = check_kv_format(kv_format)
         if kv_format == "kv8" and cfg.head_dim % 4:
             raise ValueError(f"the kv8 format needs a head dim divisible by 4, not {cfg.head_dim}")
         cap = round_up(max(capacity, chunk_tokens), chunk_tokens)
@@ -63,8 +69,7 @@ class KVCache:
         """A cache over an existing `[L, 2, Hkv, capacity, D]` tensor (not copied, never grown). A uint8
         buffer with rows of `D + 4` is a `kv8` working set computed in `dtype` (default float32)."""
         kv8 = buffer.dtype == torch.uint8
-        width = kvformat.row_bytes(cfg.head_dim) if kv8 else cfg.head_dim
-        expect = (cfg.n_layers, 2, cfg.n_kv_heads, buffer.shape[3], width)
+        expect = buffer_shape(cfg, buffer.shape[3], "kv8" if kv8 else "float")
         if tuple(buffer.shape) != expect:
             raise ValueError(f"KV buffer shape {tuple(buffer.shape)} does not match {expect}")
         c = cls.__new__(cls)
@@ -75,8 +80,7 @@ class KVCache:
         return c
 
     def _shape(self, cap: int) -> tuple[int, ...]:
-        d = kvformat.row_bytes(self.cfg.head_dim) if self.kv_format == "kv8" else self.cfg.head_dim
-        return (self.cfg.n_layers, 2, self.cfg.n_kv_heads, cap, d)
+        return buffer_shape(self.cfg, cap, self.kv_format)
 
     def _storage_dtype(self) -> torch.dtype:
         return torch.uint8 if self.kv_format == "kv8" else self.dtype

@@ -16,16 +16,10 @@ from __future__ import annotations
 
 import torch
 
-KV_FORMATS = ("float", "kv8")
-SCALE_BYTES = 4  # one float32 scale after the D values of a row
+from engine.config import KV8_SCALE_BYTES as SCALE_BYTES
+
 KEY_MAX = 127.0  # int8
 VALUE_MAX = 448.0  # float8 e4m3fn's largest finite value
-
-
-def check_format(name: str) -> str:
-    if name not in KV_FORMATS:
-        raise ValueError(f"unknown KV format {name!r}; valid: {', '.join(KV_FORMATS)}")
-    return name
 
 
 def row_bytes(head_dim: int) -> int:

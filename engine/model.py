@@ -420,7 +420,7 @@ class Transformer:
             self.step_hook("qkv", layer)
         if sdpa:
             attn = self._attend_sdpa(layer, q, pos, cache)
-        elif self._native_rows(n, pos):
+        elif self.compiled_attention:
             attn = self._attend_native(layer, q, pos, cache, density)
         else:
             attn = self._attend(layer, q, pos, cache, density)
@@ -494,9 +494,10 @@ class Transformer:
             density[:s_all] += col.sum(dim=(0, 1))
         return out.view(hkv, n, g, d).transpose(0, 1).reshape(n, cfg.n_heads * d)
 
-    def _native_rows(self, n: int, pos: torch.Tensor) -> bool:
-        """Whether these rows go to the compiled kernels: CPU float32, head dim a multiple of 16 (at
-        most 256), and they build."""
+    @property
+    def compiled_attention(self) -> bool:
+        """Whether attention runs in the compiled kernels (engine/attention.c): switched on, CPU float32,
+        head dim a multiple of 16 (at most 256), and they build."""
         return (self.engine_cfg.native_attention and self.device.type == "cpu" and self.dtype == torch.float32
                 and self.cfg.head_dim % 16 == 0 and self.cfg.head_dim <= 256 and attention_kernel() is not None)
 

@@ -64,6 +64,9 @@ SCORE_BUDGET_BYTES = 9 << 19
 """engine/model.py's bytes of scores per attention block (it sizes ``b`` from them)."""
 MAX_BLOCK_ROWS = 64
 """engine/model.py's most query rows per attention block."""
+NATIVE_MIN_ROWS = 16
+"""engine/model.py's fewest rows the compiled kernel runs as `attn_forward` (fewer: `attn_rows`). These
+three mirror the engine's (this module imports no model); tests/engine/test_memtrack.py checks them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +184,7 @@ def estimate_steps(shape: PrefillShape, rows: int, cached: int) -> list[StepEsti
         peak_qkv = max(peak_qkv, retained_qkv + 8 * hkv * p * d)
     out = a * p * hq * d
     t = shape.threads
-    if shape.native_attention and p >= 16:  # attn_forward: keys transposed, tiles a thread
+    if shape.native_attention and p >= NATIVE_MIN_ROWS:  # attn_forward: keys transposed, tiles a thread
         transient = out + 4 * (hkv * d * s + t * s + t * (48 * s + 96 * d))
         if shape.kv8:
             transient += 2 * a * hkv * s * d

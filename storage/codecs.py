@@ -59,6 +59,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.config import KV8_SCALE_BYTES
 from storage.errors import ChunkVersionError, CorruptChunkError, UnknownCodecError
 from storage.floatcast import (bf16_bits_to_f32, f16_to_f32, f32_to_bf16_bits, f32_to_f16, store_f32,
                                to_f32, torch_if_loaded)
@@ -76,7 +77,6 @@ COMPUTE_DTYPES: dict[str, np.dtype] = {
 }
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                 np.dtype(np.uint16): "bfloat16", np.dtype(np.uint8): "kv8"}
-KV8_SCALE_BYTES = 4  # engine.kvformat.SCALE_BYTES: a kv8 row is D values and a float32 scale
 _F16, _U8, _U16 = np.float16, np.uint8, np.uint16
 
 

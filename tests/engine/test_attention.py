@@ -130,6 +130,6 @@ def test_prefill_and_decode_take_their_native_kernels(engine, monkeypatch):
     cache.reserve(1000)
     q = torch.randn(64, model.cfg.n_heads, model.cfg.head_dim)
     for rows, pos in [(64, torch.arange(64)), (1, torch.arange(500, 501)), (20, torch.arange(980, 1000))]:
-        assert model._native_rows(rows, pos)
+        assert model.compiled_attention
         model._attend_native(0, q[:rows].contiguous(), pos, cache, None)
     assert calls == ["attn_forward", "attn_rows", "attn_forward"]

@@ -40,7 +40,7 @@ def test_the_kernels_fp8_decode_is_exact_for_every_code(engine):
     """Every e4m3 code (subnormals included) read by attn_rows_kv8 equals torch's conversion: one key
     row of ones and one-hot queries make the output the value row itself."""
     model = engine.model
-    if not model._native_rows(1, torch.tensor([0])):
+    if not model.compiled_attention:
         pytest.skip("the compiled attention kernel does not run here")
     cfg = model.cfg
     d = cfg.head_dim
@@ -89,7 +89,7 @@ def test_attention_over_kv8_matches_the_reference_on_its_values(engine, pos, nat
     s_all = int(pos[-1]) + 1
     ref_out, ref_col = naive_attend(q, pos, keys[:, :s_all], vals[:, :s_all], model.scale)
     density = torch.zeros(320)
-    if native and model._native_rows(len(pos), pos):
+    if native and model.compiled_attention:
         out = model._attend_native(1, q, pos, cache, density)
     else:
         out = model._attend(1, q, pos, cache, density)

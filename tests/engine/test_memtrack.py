@@ -11,7 +11,8 @@ import torch
 from engine.config import EngineConfig
 from engine.memtrack import TensorTracker
 from engine.model import Transformer
-from scheduler.prefill import PrefillShape, estimate_steps
+from actors.admission import prefill_shape
+from scheduler.prefill import estimate_steps
 
 
 def test_the_tracker_counts_new_storages_until_they_are_freed():
@@ -30,24 +31,13 @@ def test_the_tracker_counts_new_storages_until_they_are_freed():
                                                                  ("none", 1024, 0)]
 
 
-def _shape(model: Transformer, weights: str, kv_format: str) -> PrefillShape:
-    c = model.cfg
-    a = torch.finfo(model.dtype).bits // 8
-    quantized = weights != "fp32"
-    return PrefillShape(c.hidden_size, c.intermediate_size, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
-                        act_bytes=a, kv8=kv_format == "kv8",
-                        qkv_weight_bytes=a * c.hidden_size * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-                        if quantized else 0,
-                        mlp_weight_bytes=a * c.hidden_size * 2 * c.intermediate_size if quantized else 0)
-
-
 @pytest.mark.parametrize("weights, dtype, kv_format", [("fp32", "float32", "float"), ("int4", "float32", "kv8"),
                                                        ("fp32", "bfloat16", "float")])
 def test_the_estimate_of_each_step_matches_the_tracked_tensors(resolved_model, weights, dtype, kv_format):
     model = Transformer.from_directory(resolved_model.directory,
                                        EngineConfig(weights=weights, dtype=dtype, native_attention=False),
                                        fingerprint=resolved_model.fingerprint)
-    shape = _shape(model, weights, kv_format)
+    shape = prefill_shape(model, kv_format)  # what the service admits prefills with
     for new, cached in ((512, 0), (300, 700)):
         cache = model.new_cache(new + cached, kv_format)
         if cached:
@@ -68,3 +58,11 @@ def test_the_estimate_of_each_step_matches_the_tracked_tensors(resolved_model, w
             assert s.peak > 1 << 20, s  # steps of a few MB: the comparison means something
             assert abs(e.peak / s.peak - 1) < 0.2, (weights, dtype, kv_format, new, cached, s, e)
             assert abs(e.retained - s.retained) <= 0.2 * max(s.retained, 1 << 20), (s, e)
+
+
+def test_the_estimates_engine_constants_are_the_engines():
+    import engine.model as em
+    import scheduler.prefill as sp
+
+    assert (sp.SCORE_BUDGET_BYTES, sp.MAX_BLOCK_ROWS, sp.NATIVE_MIN_ROWS) == (
+        em.SCORE_BUDGET_BYTES, em.MAX_BLOCK_ROWS, em.NATIVE_MIN_ROWS)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.memtrack import TensorTracker
-from scheduler.prefill import PrefillShape, estimate_steps
+from actors.admission import prefill_shape
+from scheduler.prefill import estimate_steps
 from tests.conftest import SAMPLE_TEXT
 
 
@@ -46,8 +47,8 @@ def test_a_partition_bounds_the_transient_memory(engine, monkeypatch):
     model = engine.model
     cfg = model.cfg
     monkeypatch.setattr(model.engine_cfg, "native_attention", False)
-    shape = PrefillShape(cfg.hidden_size, cfg.intermediate_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
-                         cfg.head_dim)
+    shape = prefill_shape(model, "float")
+    assert not shape.native_attention
     ids = list(range(200, 200 + 768))
     peaks = {}
     for rows in (0, 256):
