@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from actors.admission import admit_prefill, prefill_shape
+from actors.admission import admit_prefill, apply_plan, prefill_shape
 from actors.messages import CallOutcome, CallPlan, RestoreRequest, RestoreStats
 from actors.recompute import stage_seconds
 from actors.restore import host_view, restore
@@ -294,6 +294,7 @@ class ModelExecutor:
                                cache=self.ws, density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
                                adapter=self.adapters.get(adapter) if adapter else None)
             prefill, engine_params = self._admit(ectx, prompt, params)
+            written = self._written()
             stream = self.engine.stream(ectx, prompt, **engine_params)
             for delta in stream:
                 _check_deadline(deadline, "the call ran past its deadline")
@@ -304,7 +305,7 @@ class ModelExecutor:
             completion_tokens=r.completion_tokens, switch_ms=0.0, restore=RestoreStats(), predicted_restore_ms=0.0,
             model_restore_ms=0.0, ttft_s=r.ttft_s, total_s=time.perf_counter() - t0,
             prefilled_tokens=r.prefilled_tokens, cached_tokens=r.cached_tokens, context_tokens=r.context_tokens,
-            dropped_tokens=r.dropped_tokens, prefill_plan=prefill)
+            dropped_tokens=r.dropped_tokens, prefill_plan=prefill, streamed_bytes=self._written() - written)
 
     def stream_stateless(self, system_prompt: str | None, history, prompt: str, params: dict):
         """`call_stateless` as the port has it: text deltas, then the `CallOutcome` as the last item."""
@@ -360,7 +361,7 @@ class ModelExecutor:
                 switch_ms = (time.perf_counter() - t0) * 1000
                 if not step.cached:  # the measurement goes to the governor's cost models, outside the switch
                     self.gov.record_restore(ctx_id, stats.seconds, stage_seconds(stats.timeline))
-                t_engine = time.perf_counter()
+                t_engine, written = time.perf_counter(), self._written()
                 ectx, first_modified, r, prefill = yield from self._run_engine(step, prompt, deadline, params)
                 if step.confirm is not None:
                     step.confirm()  # the deferred begin_call's errors surface here, before anything is committed
@@ -382,7 +383,7 @@ class ModelExecutor:
             ttft_s=t_engine - t0 + r.ttft_s,  # from the call's arrival: the switch is inside
             total_s=time.perf_counter() - t0, prefilled_tokens=r.prefilled_tokens,
             cached_tokens=r.cached_tokens, hit=step.cached, context_tokens=r.context_tokens,
-            dropped_tokens=r.dropped_tokens, prefill_plan=prefill)
+            dropped_tokens=r.dropped_tokens, prefill_plan=prefill, streamed_bytes=self._written() - written)
 
     # ---- the call's steps ---------------------------------------------------------------------------
     def _lock_and_plan(self, app: str | None, ctx_id: str, behind: bool = False) -> "_Step":
@@ -452,8 +453,12 @@ class ModelExecutor:
         if not self.prefill_budget:
             return "", params
         plan = admit_prefill(self._shape, self.engine.new_tokens(ectx, prompt), ectx.cache.length,
-                             self.prefill_budget)
-        return plan.kind, dict(params, partition_rows=plan.partition_rows if plan.kind == "moderate" else None)
+                             self.prefill_budget, streaming=ectx.cache.pager is not None)
+        return plan.kind, dict(params, **apply_plan(ectx.cache, plan))
+
+    def _written(self) -> int:
+        """K/V bytes the working set has streamed out so far (`engine.kvspill.LayerPager.written_bytes`)."""
+        return self.ws.pager.written_bytes if self.ws.pager is not None else 0
 
     def _run_engine(self, step: "_Step", prompt: str, deadline: float | None, params: dict):
         """Prefill and decode against the restored context (a generator of deltas); returns the engine
@@ -576,6 +581,8 @@ class ModelExecutor:
             finally:
                 if done_reading is not None:
                     done_reading.set()
+                if self.ws.pager is not None and self.ws.pager.streaming:  # the reads faulted them in
+                    self.ws.pager.unmap_streamed()
             loaded = loaded or []
             handles = self.put(encs + [enc for _i, enc, _n in loaded])
             if loaded:

@@ -229,8 +229,10 @@ class CallOutcome:
     dropped_tokens: int = 0
     """Tokens the overflow rule cut from the context's start during this call."""
     prefill_plan: str = ""
-    """How the prefill ran under `ServiceConfig.prefill_budget_bytes` (`none`, `moderate`); "" without
-    a budget."""
+    """How the prefill ran under `ServiceConfig.prefill_budget_bytes` (`none`, `moderate`, `severe`); ""
+    without a budget."""
+    streamed_bytes: int = 0
+    """K/V bytes the call (prefill and decode) wrote out of memory layer by layer (a `severe` plan)."""
 
 
 @dataclass(slots=True)

@@ -37,8 +37,12 @@ class Metrics:
                                       "(tokens/s = rate(tokens) / rate(decode seconds))", ["policy"], registry=r)
         self.calls = Counter(p + "calls_total", "Model calls by outcome", ["policy", "outcome"], registry=r)
         self.prefill_tokens = Counter(p + "prefill_tokens_total", "Tokens prefilled, by how the prefill ran under "
-                                      "the prefill budget (none, moderate: row partitions; unbudgeted: no budget)",
+                                      "the prefill budget (none; moderate: row partitions; severe: K/V streamed layer "
+                                      "by layer; unbudgeted: no budget)",
                                       ["plan"], registry=r)
+        self.streamed = Counter(p + "streamed_kv_bytes_total", "K/V bytes written out of memory layer by layer "
+                                "by calls whose context streams (severe plans under the prefill budget)",
+                                registry=r)
         self.recompute = Counter(p + "recompute_chunks_total", "Chunks recomputed from token ids",
                                  ["policy", "reason"], registry=r)
         self.io_fraction = Gauge(p + "pipeline_io_fraction", "Of the last restore's missing chunks, the "

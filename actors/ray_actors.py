@@ -33,12 +33,13 @@ from pathlib import Path
 
 import ray
 
+from actors.admission import streamable_working_set
 from actors.config import ServiceConfig, Tuning, private_files
 from actors.service import Components
 from actors.messages import PoolRef, WithReleases
 from actors.ray_restore import RayRestorer, per_ref_seconds
 from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
-from actors.recompute import RecomputeWorker, shared_working_set, working_set_nbytes
+from actors.recompute import FileSegment, RecomputeWorker, shared_working_set, working_set_nbytes
 from actors.swapio import KVSwapIO
 
 
@@ -340,9 +341,19 @@ class ExecutorActor(Health):
         # a new segment per executor process: a restarted executor never shares a stale one
         shm_name = f"{prefix}-ws-{os.getpid()}"
         _unlink_stale_segments(prefix)
-        _warn_if_shm_small(working_set_nbytes(model.cfg, engine.limit, ecfg.kv_format))
-        self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True, kv_format=ecfg.kv_format)
-        ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens, dtype=model.dtype)
+        ws = None
+        if c.prefill_budget_bytes:  # K/V that can leave memory layer by layer: a file on disk
+            ws_dir = os.path.join(c.data_dir, "ws")
+            _unlink_stale_segments(prefix, Path(ws_dir))
+            ws = streamable_working_set(model, engine.limit, ecfg.kv_format, ws_dir, shm_name)
+        if ws is not None:
+            self.shm = FileSegment(ws.pager.file)
+            shm_name = self.shm.name
+        else:
+            _warn_if_shm_small(working_set_nbytes(model.cfg, engine.limit, ecfg.kv_format))
+            self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True,
+                                               kv_format=ecfg.kv_format)
+            ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens, dtype=model.dtype)
         from scheduler.pipeline import CostProfile, ReadRate
 
         prof = CostProfile.from_json(c.profile) if c.profile else None
@@ -388,6 +399,7 @@ class ExecutorActor(Health):
         m.ttft.labels(p).observe(out["ttft_s"])
         m.tokens.labels(p).inc(out["completion_tokens"])
         m.prefill_tokens.labels(out["prefill_plan"] or "unbudgeted").inc(out["prefilled_tokens"])
+        m.streamed.inc(out["streamed_bytes"])
         m.decode_seconds.labels(p).inc(max(0.0, out["total_s"] - out["ttft_s"]))
         if r["recomputed"]:
             m.recompute.labels(p, "fault").inc(r["faults"])
@@ -470,12 +482,13 @@ class ExecutorActor(Health):
         self.shm.unlink()
 
 
-def _unlink_stale_segments(prefix: str) -> None:
-    """Remove working-set segments (`<prefix>-ws-<pid>`) left by executors that died without closing
-    them: this service's prefix, or any `llmaas*` one; a segment of a live process is left alone."""
+def _unlink_stale_segments(prefix: str, folder: Path = Path("/dev/shm")) -> None:
+    """Remove working-set segments (`<prefix>-ws-<pid>`, in `folder`) left by executors that died
+    without closing them: this service's prefix, or any `llmaas*` one; a segment of a live process is
+    left alone."""
     from actors.metrics import pid_alive
 
-    for seg in Path("/dev/shm").glob("*-ws-*"):
+    for seg in folder.glob("*-ws-*"):
         owner, _, pid = seg.name.rpartition("-ws-")
         if pid.isdigit() and (owner == prefix or owner.startswith("llmaas")) and not pid_alive(int(pid)):
             seg.unlink(missing_ok=True)

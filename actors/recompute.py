@@ -15,6 +15,7 @@ file turns out missing or corrupt is recomputed instead, so a restore never yiel
 
 from __future__ import annotations
 
+import os
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -52,13 +53,33 @@ def working_set_nbytes(cfg: ModelConfig, capacity: int, kv_format: str = "float"
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
+class FileSegment:
+    """A working set in a file on disk (a streamable one, `actors.admission.streamable_working_set`),
+    closed and unlinked as a `shared_memory.SharedMemory` segment is."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+        self.name = file.path
+
+    def close(self) -> None:
+        """The mapping goes with the last view of it."""
+
+    def unlink(self) -> None:
+        self.file.close(unlink=True)
+
+
 def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,
-                       kv_format: str = "float") -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+                       kv_format: str = "float") -> tuple[shared_memory.SharedMemory | FileSegment, torch.Tensor]:
     """A float32 `[L, 2, Hkv, capacity, D]` tensor (`kv8`: uint8 rows of D + 4) over POSIX shared
-    memory `name`. Pages cost memory only once written."""
+    memory `name`, or over the file `name` when it is a path. Pages cost memory only once written."""
     from actors.swapio import attach_segment
 
     shape, dtype = _working_set_shape(cfg, capacity, kv_format)
+    if os.sep in name:
+        from engine.kvspill import MappedFile
+
+        f = MappedFile(name, working_set_nbytes(cfg, capacity, kv_format), create=create)
+        return FileSegment(f), f.tensor(shape, torch.uint8 if kv_format == "kv8" else torch.float32)
     if create:
         try:  # a segment left by a crashed executor of the same name
             old = shared_memory.SharedMemory(name=name)
@@ -95,15 +116,17 @@ class RecomputeWorker:
             io = SwapIOStub(io)
         self.io = io
         self.shm = None
+        self.shm_name = ""
         self.ws: KVCache | None = None
 
     def _attach(self, name: str, capacity: int) -> KVCache:
         """Map the executor's working set; again after the executor restarted with a new segment."""
-        if self.shm is None or self.shm.name.lstrip("/") != name:
+        if self.shm is None or self.shm_name != name:
             if self.shm is not None:
                 self.shm.close()
             self.shm, buf = shared_working_set(self.model.cfg, capacity, name, create=False,
                                                kv_format=self.model.engine_cfg.kv_format)
+            self.shm_name = name
             self.ws = KVCache.wrap(self.model.cfg, buf, chunk_tokens=self.chunk_tokens, dtype=self.model.dtype)
         return self.ws
 

@@ -219,6 +219,7 @@ class LocalParts:
 def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextService:
     """Everything in this process, no Ray: the reference for the actor path. `engine` may be passed to
     share an already loaded model; `profile` (a `CostProfile`) skips measuring one."""
+    from actors.admission import streamable_working_set
     from actors.executor import InProcessRestorer, ModelExecutor
     from actors.governor import MemoryGovernor
     from actors.swapio import KVSwapIO
@@ -252,7 +253,9 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     m = engine.model
     adapters = AdapterSet(config.adapter_dir(), m.cfg, device=m.device, dtype=m.dtype)
     restorer = InProcessRestorer(m, io, streaming_stores=t.streaming_stores, adapters=adapters)
-    executor = ModelExecutor(engine, governor, restorer, adapters=adapters,
+    ws = (streamable_working_set(m, engine.limit, config.kv_format, str(root / "ws"))
+          if config.prefill_budget_bytes else None)
+    executor = ModelExecutor(engine, governor, restorer, adapters=adapters, working_set=ws,
                              prefill_budget=config.prefill_budget_bytes)
     executor.load_recorded_adapters()
 

@@ -361,7 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-format", default=None, choices=_kv_formats(), help=KV_FORMAT_HELP)
     s.add_argument("--prefill-budget", type=int, default=None, metavar="BYTES",
                    help="memory a call's prefill may take (transient tensors and the context's K/V), estimated "
-                        "before it runs: long prompts run in row partitions that fit, or answer 413 (default: none)")
+                        "before it runs: long prompts run in row partitions that fit, or with their K/V streamed "
+                        "layer by layer through <data-dir>/ws (the reply's decode too), or answer 413 "
+                        "(default: none)")
     s.add_argument("--adapter-root", default=None, metavar="DIR",
                    help="folder LoRA adapters (PEFT directories) are loaded from; nothing outside it is read "
                         "(default <data-dir>/adapters)")

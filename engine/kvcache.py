@@ -21,6 +21,8 @@ passing silently.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -62,6 +64,9 @@ class KVCache:
         """Slots in use (tokens of the context with K/V here or missing), in tokens."""
         self.missing: set[int] = set()
         """Chunk indices whose slots hold no valid K/V."""
+        self.pager = None
+        """For a working set over a mapped file (`mapped`): which layers stay in memory
+        (engine.kvspill.LayerPager); None: all of them, always."""
 
     @classmethod
     def wrap(cls, cfg: ModelConfig, buffer: torch.Tensor, *, chunk_tokens: int,
@@ -76,7 +81,27 @@ class KVCache:
         c.cfg, c.chunk_tokens, c.device = cfg, chunk_tokens, buffer.device
         c.dtype = (dtype or torch.float32) if kv8 else buffer.dtype
         c.kv_format = "kv8" if kv8 else "float"
-        c.kv, c.fixed, c.length, c.missing = buffer, True, 0, set()
+        c.kv, c.fixed, c.length, c.missing, c.pager = buffer, True, 0, set(), None
+        return c
+
+    @classmethod
+    def mapped(cls, cfg: ModelConfig, path: str | os.PathLike, capacity: int, *, chunk_tokens: int,
+               dtype: torch.dtype, kv_format: str = "float", create: bool = True) -> "KVCache":
+        """A CPU working set of `capacity` tokens over the file at `path` mapped shared (engine/kvspill.py;
+        `create`: a new sparse file, else one another process made): the pages of its layers can leave
+        memory for the file and come back per layer (`pager`), and another process can map the same file
+        (`create=False`)."""
+        from engine.kvspill import LayerPager, MappedFile
+
+        shape = buffer_shape(cfg, round_up(max(capacity, chunk_tokens), chunk_tokens), check_kv_format(kv_format))
+        storage = torch.uint8 if kv_format == "kv8" else dtype
+        nbytes = storage.itemsize
+        for s in shape:
+            nbytes *= s
+        f = MappedFile(path, nbytes, create=create)
+        c = cls.wrap(cfg, f.tensor(shape, storage), chunk_tokens=chunk_tokens, dtype=dtype)
+        row = shape[1] * shape[2] * shape[4] * storage.itemsize  # one token's K/V in one layer
+        c.pager = LayerPager(f, cfg.n_layers, nbytes // cfg.n_layers, row, os.path.dirname(os.path.abspath(path)))
         return c
 
     def _shape(self, cap: int) -> tuple[int, ...]:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
+from engine.kvspill import RowSpill
 from engine.loader import copy_out
 from engine.lora import Adapter
 from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
@@ -343,18 +344,39 @@ class Transformer:
         pos = torch.arange(start, start + n, device=self.device)
         p = self.engine_cfg.prefill_partition_rows if partition_rows is None else partition_rows
         parts = [(r, min(n, r + p)) for r in range(0, n, p)] if 0 < p < n else [(0, n)]
+        pager = cache.pager if cache.pager is not None and cache.pager.streaming else None
+        spill = None
         try:
-            x = self.w.embed(ids)  # [n, hidden]
+            if pager is not None and pager.spill_hidden and len(parts) > 1 and not all_logits:
+                spill = RowSpill(pager.spill_dir, n, self.cfg.hidden_size, self.dtype, pager.bg.overlap)
+                for r0, r1 in parts:
+                    spill.enter(r0, r1).copy_(self.w.embed(ids[r0:r1]))
+                    spill.leave(r0, r1)
+                x = spill.x
+            else:
+                x = self.w.embed(ids)  # [n, hidden]
             for layer in range(self.cfg.n_layers):
+                if pager is not None:  # a streamed layer is read in (the next one ahead)
+                    pager.enter(layer)
                 for r0, r1 in parts:  # layer-major: every partition through this layer, then the next
-                    self._layer(layer, x[r0:r1], pos[r0:r1], cache, contiguous=True, density=density,
+                    rows = x[r0:r1] if spill is None else spill.enter(r0, r1)
+                    self._layer(layer, rows, pos[r0:r1], cache, contiguous=True, density=density,
                                 sdpa=sdpa, adapter=adapter)  # updates its rows of x in place
+                    if spill is not None:
+                        spill.leave(r0, r1)
                     if self.step_hook is not None:  # after the block's locals are gone
                         self.step_hook("mlp", layer)
+                if pager is not None:  # written out and unmapped while the next layer computes
+                    pager.leave(layer, written=n * pager.row_bytes)
                 yield layer + 1
+            if spill is not None:
+                x = spill.enter(n - 1, n).clone()
         except BaseException:  # an error, or the consumer closed the generator: nothing half-written stays
             cache.truncate(start)
             raise
+        finally:
+            if spill is not None:
+                spill.close()
         self.forward_rows += n
         if not all_logits:
             x = x[-1:]

@@ -43,9 +43,13 @@ finished layer leaves it (``severe`` below).
   which is exact under the causal mask: a partition attends only to rows written before it), every
   layer's K/V resident;
 - ``severe``: partitions as ``moderate``, layer by layer over all rows, each finished layer's K/V
-  moved out of the budget as it is produced (one layer's K/V of the context in the budget), and the
-  hidden state of all rows spilled out of the budget when it does not fit beside the rest (then one
-  partition's rows are in it at a time);
+  moved out of the budget as it is produced, and the hidden state of all rows spilled out of the
+  budget when it does not fit beside the rest. In the budget: two layers' K/V of the context (the
+  layer computing and the one being written out while it does) and the cached tokens' K/V of the
+  next layer (read ahead); with the hidden state spilled, a partition's rows besides the one
+  computing (being written out). Decoding the context afterwards holds three layers (computing, read
+  ahead, written out) and a row's steps. As many more layers as fit beside the higher of the two
+  stay resident (:attr:`PrefillPlan.resident_layers`);
 - ``refuse``: not even ``severe`` with the smallest partition fits: a caller answers 413 with the
   estimate before doing any work.
 """
@@ -59,7 +63,10 @@ from scheduler.keys import count
 
 PLAN_KINDS = ("none", "moderate", "severe", "refuse")
 MIN_PARTITION_ROWS = 16
-"""The smallest partition ``plan_prefill`` tries: one chunk of a context."""
+"""The smallest partition ``plan_prefill`` tries for ``moderate``: one chunk of a context."""
+FEW_ROWS = 8
+"""The partition ``severe`` tries last: fewer rows than :data:`NATIVE_MIN_ROWS`, so the compiled kernel
+takes its row path, which holds no transposed copy of the keys (a prefill onto a long context)."""
 SCORE_BUDGET_BYTES = 9 << 19
 """engine/model.py's bytes of scores per attention block (it sizes ``b`` from them)."""
 MAX_BLOCK_ROWS = 64
@@ -144,6 +151,9 @@ class PrefillPlan:
     ``refuse``)."""
     budget: int
     """What it had to fit in."""
+    resident_layers: int = 0
+    """Layers whose K/V stays in the budget; the others are streamed (fewer than all only when
+    ``severe``)."""
 
     @property
     def partitions(self) -> int:
@@ -156,8 +166,9 @@ class PrefillPlan:
             return (f"a prefill of {self.new} tokens onto {self.cached} needs at least {self.peak / mib:.1f} MiB "
                     f"(partitioned by {self.partition_rows} rows, hidden state spilled), over the budget of "
                     f"{self.budget / mib:.1f} MiB")
+        resident = f", K/V of {self.resident_layers} layer(s) resident" if self.kind == "severe" else ""
         return (f"{self.kind}: {self.partitions} partition(s) of {self.partition_rows} rows"
-                f"{', hidden state spilled' if self.spill_hidden else ''}; estimated peak "
+                f"{', hidden state spilled' if self.spill_hidden else ''}{resident}; estimated peak "
                 f"{self.peak / mib:.1f} MiB of {self.budget / mib:.1f} MiB")
 
 
@@ -212,33 +223,49 @@ def kv_bytes(shape: PrefillShape, tokens: int, layers: int | None = None) -> int
 
 def peak_bytes(shape: PrefillShape, new: int, cached: int, rows: int, *, severe: bool, spill: bool) -> int:
     """Highest estimated bytes of a prefill run in partitions of ``rows``: the last partition's steps
-    (it sees the most keys) beside the hidden state of the rows not in it and the K/V in the budget."""
+    (it sees the most keys) beside the hidden state of the rows not in it (spilled: of the partition
+    being written out) and the K/V in the budget (``severe``: the streaming window's layers)."""
     rows = min(rows, new)
     steps = estimate_steps(shape, rows, cached + new - rows)
-    rest = 0 if spill else shape.act_bytes * shape.hidden * (new - rows)
-    kv = kv_bytes(shape, cached + new, 1 if severe else None)
+    rest = shape.act_bytes * shape.hidden * (min(rows, new - rows) if spill else new - rows)
+    if severe:
+        kv = kv_bytes(shape, cached + new, min(2, shape.n_layers)) + kv_bytes(shape, cached, 1)
+    else:
+        kv = kv_bytes(shape, cached + new)
     return max(st.peak for st in steps) + rest + kv
+
+
+def streamed_decode_bytes(shape: PrefillShape, tokens: int) -> int:
+    """A decode step over ``tokens`` tokens whose layers stream: a row's steps beside three layers' K/V
+    (the layer computing, the next read ahead, the last written out)."""
+    row = max(st.peak for st in estimate_steps(shape, 1, max(0, tokens - 1)))
+    return row + kv_bytes(shape, tokens, min(3, shape.n_layers))
 
 
 def plan_prefill(shape: PrefillShape, new: int, cached: int, budget: int) -> PrefillPlan:
     """The lightest plan whose estimated peak fits ``budget`` bytes (see the module docstring)."""
     new, cached, budget = count("new", new, 1), count("cached", cached), count("budget", budget)
+    layers = shape.n_layers
     peak = peak_bytes(shape, new, cached, new, severe=False, spill=False)
     if peak <= budget:
-        return PrefillPlan("none", new, cached, new, False, peak, budget)
+        return PrefillPlan("none", new, cached, new, False, peak, budget, layers)
     sizes = [r for r in _partition_sizes(new) if r < new]
     for r in sizes:
         peak = peak_bytes(shape, new, cached, r, severe=False, spill=False)
         if peak <= budget:
-            return PrefillPlan("moderate", new, cached, r, False, peak, budget)
-    for spill in (False, True):
-        for r in sizes or [new]:
-            peak = peak_bytes(shape, new, cached, r, severe=True, spill=spill)
+            return PrefillPlan("moderate", new, cached, r, False, peak, budget, layers)
+    per_layer = kv_bytes(shape, cached + new, 1)
+    decode = streamed_decode_bytes(shape, cached + new)
+    few = [FEW_ROWS] if new > FEW_ROWS else []  # the compiled kernel's row path copies no keys
+    for r in (sizes or [new]) + few:  # larger partitions first: small ones run far slower than a spill
+        for spill in (False, True):
+            peak = max(decode, peak_bytes(shape, new, cached, r, severe=True, spill=spill))
             if peak <= budget:
-                return PrefillPlan("severe", new, cached, r, spill, peak, budget)
-    smallest = min(MIN_PARTITION_ROWS, new)
+                resident = min(layers - 1, (budget - peak) // per_layer)
+                return PrefillPlan("severe", new, cached, r, spill, peak + resident * per_layer, budget, resident)
+    smallest = min(FEW_ROWS, new)
     return PrefillPlan("refuse", new, cached, smallest, True,
-                       peak_bytes(shape, new, cached, smallest, severe=True, spill=True), budget)
+                       max(decode, peak_bytes(shape, new, cached, smallest, severe=True, spill=True)), budget)
 
 
 def _partition_sizes(new: int) -> list[int]:

@@ -330,3 +330,40 @@ def test_cost_profile_is_measured_on_the_device_and_cached_under_it(dev_engine, 
     assert ProfileCache(tmp_path).get(key).to_json() == prof.to_json()
     other = "cpu" if model.device.type != "cpu" else "cuda"
     assert ProfileCache(tmp_path).get(profile_key("fp", torch.get_num_threads(), CHUNK, 0.0, other, "float32")) is None
+
+
+def test_a_prefill_budget_that_only_streaming_fits(dev_engine, tmp_path):
+    """A prompt that fits the prefill budget only with its K/V streamed layer by layer: on CUDA the
+    working set cannot stream (device memory and pinned host buffers: not built), so the call is
+    refused with 413 and its estimate and the context goes on; on the CPU (`LLMAAS_TEST_DEVICE=cpu`)
+    it runs streamed and answers as without a budget."""
+    from actors.admission import prefill_shape
+    from scheduler.prefill import peak_bytes, plan_prefill, streamed_decode_bytes
+
+    prompt = passage(0) + " " + passage(1)
+    probe = dev_engine.new_ctx(SYSTEM)
+    new = dev_engine.new_tokens(probe, prompt)
+    want = dev_engine.call(probe, prompt, max_tokens=MAX_TOKENS).token_ids
+    dev_engine.delete_ctx(probe)
+    shape = prefill_shape(dev_engine.model, "float")
+    budget = max(streamed_decode_bytes(shape, new), peak_bytes(shape, new, 0, 16, severe=True, spill=True)) + (64 << 10)
+    assert plan_prefill(shape, new, 0, budget).kind == "severe"
+    config = ServiceConfig(data_dir=str(tmp_path), policy="swap", max_context_tokens=MAX_CONTEXT, chunk_tokens=CHUNK,
+                           profile=PROFILE, prefill_budget_bytes=budget)
+    svc = wire_local(config, engine=dev_engine)
+    try:
+        tok = svc.bind("app")
+        ctx = svc.new_ctx(tok, SYSTEM)
+        if torch.device(DEVICE).type == "cuda":
+            assert svc.executor.ws.pager is None
+            before = svc.describe(tok, ctx)
+            with pytest.raises(Exception) as err:
+                svc.call(tok, ctx, prompt, max_tokens=MAX_TOKENS)
+            assert getattr(err.value, "code", "") == "prompt_too_long" and "cannot" in str(err.value)
+            after = svc.describe(tok, ctx)
+            assert (after["tokens"], after["turns"]) == (before["tokens"], before["turns"])
+        else:
+            out = svc.call(tok, ctx, prompt, max_tokens=MAX_TOKENS)
+            assert out.prefill_plan == "severe" and out.streamed_bytes > 0 and out.token_ids == want
+    finally:
+        svc.close()

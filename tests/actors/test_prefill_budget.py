@@ -1,7 +1,8 @@
 """A call's prefill admitted under `ServiceConfig.prefill_budget_bytes` (actors/admission.py): a long
 prompt whose one-pass estimate is over the budget runs in the planner's row partitions and answers
 as without a budget; one that cannot fit is refused with `prompt_too_long` and the estimate before any
-prefill, and the context goes on as it was."""
+prefill, and the context goes on as it was; one that fits only with its K/V streamed layer by layer
+(`severe`) runs so and answers the same."""
 
 from __future__ import annotations
 
@@ -46,13 +47,29 @@ def test_a_long_prompt_runs_in_partitions_or_is_refused_with_its_estimate(small_
         ctx = svc.new_ctx(tok, SYSTEM)
         out = svc.call(tok, ctx, LONG, max_tokens=8)
         assert out.token_ids == want and out.prefill_plan == "moderate"  # partitions change nothing
+        assert out.streamed_bytes == 0
         assert (new, plan.partition_rows) in passes  # the prefill ran in the plan's partitions
         assert svc.call(tok, ctx, "Thanks.", max_tokens=4).prefill_plan == "none"
     finally:
         svc.close()
 
-    svc = wire_local(ServiceConfig(data_dir=str(tmp_path / "b"), max_context_tokens=2048, profile=PROFILE,
+    severe = plan_prefill(shape, new, cached, 8 << 20)
+    assert severe.kind == "severe" and severe.resident_layers < e.model.cfg.n_layers, severe
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path / "s"), max_context_tokens=2048, profile=PROFILE,
                                    prefill_budget_bytes=8 << 20), engine=e)
+    try:  # K/V streamed layer by layer through a mapped file (engine/kvspill.py): the same reply
+        tok = svc.bind("app")
+        ctx = svc.new_ctx(tok, SYSTEM)
+        out = svc.call(tok, ctx, LONG, max_tokens=8)
+        assert out.token_ids == want and out.prefill_plan == "severe"
+        layers = e.model.cfg.n_layers - severe.resident_layers  # every row of every streamed layer written out
+        assert out.streamed_bytes >= layers * (cached + new) * 2 * e.model.cfg.n_kv_heads * e.model.cfg.head_dim * 4
+        assert svc.call(tok, ctx, "Thanks.", max_tokens=4).token_ids
+    finally:
+        svc.close()
+
+    svc = wire_local(ServiceConfig(data_dir=str(tmp_path / "b"), max_context_tokens=2048, profile=PROFILE,
+                                   prefill_budget_bytes=2 << 20), engine=e)
     try:
         tok = svc.bind("app")
         ctx = svc.new_ctx(tok, SYSTEM)
