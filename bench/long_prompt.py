@@ -1,18 +1,25 @@
-"""Long prompts on the default model: plain prefill against layer-major row partitions (issue 28's
-first steps), and the longest prompt each fits in a memory budget by the estimate.
+"""Long prompts on the default model: plain prefill, layer-major row partitions, and K/V streamed layer
+by layer under a budget (engine/kvspill.py), and the longest prompt each fits in a memory budget.
 
 - TTFT: one prefill of `L` tokens of the held-out text (information density on, as the service runs it)
-  and its first token, plain (`prefill_partition_rows=0`) and in partitions of `--rows`, alternated for
-  `--rounds` rounds (medians).
+  and its first token, plain (`prefill_partition_rows=0`), in partitions of `--rows`, and streamed as
+  scheduler/prefill.py plans it for `--stream-budget` MiB (a mapped working set: the streamed layers
+  written to disk and unmapped after each layer, the hidden state spilled when the plan says so), with
+  those writes overlapped with the next layer's compute and in line, alternated for `--rounds`
+  rounds (medians).
 - Peak: the most bytes of tensors alive during the prefill (`engine.memtrack.TensorTracker`, the torch
   attention kernel so that every byte is a tensor), the context's K/V excluded, and the estimate of
-  scheduler/prefill.py for the same run.
+  scheduler/prefill.py for the same run; for the streamed run, also the most bytes of the mapped K/V
+  and hidden state in this process's memory (`/proc/self/smaps`, after each layer's partitions).
 - Longest prompt within each `--budgets` (MiB, transient tensors and the context's K/V in float32), by
-  the estimate (checked against the tracker within 1% in tests/engine/test_memtrack.py): plain, and
-  row partitions with every layer's K/V resident (`moderate`). Moving K/V out layer by layer
-  (`severe`), which issue 28's floors need, is not built.
+  the estimate (checked against the tracker within 1% in tests/engine/test_memtrack.py): plain, row
+  partitions with every layer's K/V resident (`moderate`), and streamed (`severe`, where the model's
+  8,192 positions stop it).
+- Decode over the longest streamed context: ms per token with 0%, 25%, 50% and 100% of the layers
+  resident, with the streamed layers' pages dropped from the page cache before every token (cold: each
+  token reads them from disk) and without (warm).
 
-    python -m bench.long_prompt [--lengths 1024 2048 4096 8000] [--rows 512] [--rounds 3]
+    python -m bench.long_prompt [--lengths 1024 2048 4096 6000 8000] [--rows 512] [--rounds 3] [--stream-budget 32]
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ import time
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6000, 8000])
     ap.add_argument("--rows", type=int, default=512, help="rows per partition (default 512)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256], help="MiB (default 64 128 256)")
+    ap.add_argument("--stream-budget", type=int, default=32, help="MiB for the streamed prefill (default 32)")
+    ap.add_argument("--decode-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -37,9 +46,13 @@ def main(argv=None) -> int:
     from bench.accuracy import machine_line, real_text_ids
     from engine.config import EngineConfig
     from engine.context import ContextEngine
+    import os
+    import tempfile
+
+    from engine.kvcache import KVCache
     from engine.memtrack import TensorTracker
     from actors.admission import prefill_shape
-    from scheduler.prefill import estimate_steps, peak_bytes
+    from scheduler.prefill import estimate_steps, peak_bytes, plan_prefill
 
     torch.set_num_threads(a.threads)
     engine = ContextEngine.load(None, EngineConfig(), progress=False)
@@ -47,28 +60,57 @@ def main(argv=None) -> int:
     ids = real_text_ids(engine.tok)
     if max(a.lengths) > min(len(ids), cfg.max_positions):
         ap.error(f"lengths up to {min(len(ids), cfg.max_positions)} tokens")
-    modes = {"plain": 0, f"partitions of {a.rows}": a.rows}
+    streamed = f"streamed, {a.stream_budget} MiB"
+    modes = {"plain": 0, f"partitions of {a.rows}": a.rows, streamed: -1, streamed + ", writes in line": -2}
+    folder = tempfile.mkdtemp(prefix="long-prompt-", dir=".")  # on the disk: a tmpfs would hold it in memory
+    native_shape = prefill_shape(model, "float")
+    plans = {n: plan_prefill(native_shape, n, 0, a.stream_budget << 20) for n in a.lengths}
+    fits = [n for n in a.lengths if plans[n].kind != "refuse"]  # what the streamed runs can take
+
+    def new_cache(n: int, rows: int, hook=None):
+        """A cache for `n` tokens and the partition rows: streamed (`rows` -1; -2 without the overlap of
+        the writes with the compute) as planned for the budget."""
+        if rows >= 0:
+            return model.new_cache(n + 1), rows, None
+        plan = plans[n]
+        fd, path = tempfile.mkstemp(prefix="ws-", dir=folder)
+        os.close(fd)
+        cache = KVCache.mapped(cfg, path, n + 1 + a.decode_tokens, chunk_tokens=model.engine_cfg.chunk_tokens,
+                               dtype=model.dtype)
+        cache.pager.file.close()  # unlinked: the mapping keeps it until the cache goes
+        cache.pager.set_resident(plan.resident_layers)
+        cache.pager.spill_hidden = plan.spill_hidden
+        cache.pager.overlap = rows == -1
+        return cache, plan.partition_rows if plan.kind != "none" else 0, plan
 
     def prefill(n: int, rows: int) -> float:
+        cache, rows, _plan = new_cache(n, rows)
         model.engine_cfg.prefill_partition_rows = rows
-        cache, density = model.new_cache(n + 1), torch.zeros(n + 1)
+        density = torch.zeros(n + 1)
         t = time.perf_counter()
         logits = model.forward(cache, ids[:n], density=density)
         int(logits.argmax())
-        return time.perf_counter() - t
+        took = time.perf_counter() - t
+        if cache.pager is not None:
+            cache.pager.settle()
+        return took
 
     ttft: dict[tuple[int, str], list[float]] = {}
     prefill(256, 0)  # warm the kernels
     for r in range(a.rounds):
         for n in a.lengths:
             for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
-                ttft.setdefault((n, name), []).append(prefill(n, modes[name]))
+                if modes[name] >= 0 or n in fits:
+                    ttft.setdefault((n, name), []).append(prefill(n, modes[name]))
 
     peaks: dict[tuple[int, str], tuple[int, int]] = {}
+    mapped: dict[int, tuple] = {}  # streamed: most mapped bytes, mapped + tracked, plan, most tracked
     model.engine_cfg.native_attention = False
     shape = prefill_shape(model, "float")  # the torch attention kernel's estimate, as the tracker sees it
     for n in a.lengths:
         for name, rows in modes.items():
+            if rows < 0:
+                continue
             model.engine_cfg.prefill_partition_rows = rows
             cache, density = model.new_cache(n), torch.zeros(n)
             tracker = TensorTracker(ignore=[cache.kv, density])
@@ -80,29 +122,114 @@ def main(argv=None) -> int:
             est = max(e.peak for e in estimate_steps(shape, p, n - p)) + 4 * cfg.hidden_size * (n - p)
             peaks[(n, name)] = (max(s.peak for s in tracker.steps), est)
     model.engine_cfg.native_attention = True
+    for n in fits:  # the streamed run as it runs (compiled attention: its scratch is not a tensor)
+        cache, rows, plan = new_cache(n, -1)
+        model.engine_cfg.prefill_partition_rows = rows
+        density = torch.zeros(n + 1)
+        tracker = TensorTracker(ignore=[cache.kv, density])
+        most = [0, 0, 0]
+
+        def hook(step, layer, cache=cache, tracker=tracker, most=most):
+            tracker.mark(step, layer)
+            most[2] = max(most[2], tracker.steps[-1].peak)
+            if step == "mlp":  # K/V and spilled rows mapped now (smaps covers every mapping of ours)
+                m = _mapped_bytes(folder)
+                most[0] = max(most[0], m)
+                most[1] = max(most[1], m + max(s.peak for s in tracker.steps[-3:]))
+
+        model.step_hook = hook
+        with tracker:
+            model.forward(cache, ids[:n], density=density)
+        model.step_hook = None
+        cache.pager.settle()
+        mapped[n] = (most[0], most[1], plan, most[2])
 
     def longest(budget: int, rows: int) -> int:
         lo, hi = 0, cfg.max_positions
-        while lo < hi:  # the most tokens whose estimated peak (K/V of all layers resident) fits
+        while lo < hi:  # the most tokens whose estimated peak fits (rows -1: any plan but refuse)
             mid = (lo + hi + 1) // 2
-            if peak_bytes(shape, mid, 0, rows or mid, severe=False, spill=False) <= budget:
+            if rows < 0:
+                fits = plan_prefill(native_shape, mid, 0, budget).kind != "refuse"
+            else:
+                fits = peak_bytes(shape, mid, 0, rows or mid, severe=False, spill=False) <= budget
+            if fits:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
+
+    decode: dict[tuple[int, bool], float] = {}
+    n = max(fits)
+    cache, rows, _plan = new_cache(n, -1)
+    model.engine_cfg.prefill_partition_rows = rows
+    int(model.forward(cache, ids[:n]).argmax())
+    cache.pager.settle()
+    for frac in (0, 25, 50, 100):
+        for cold in (True, False):
+            cache.truncate(n)
+            cache.pager.set_resident(cfg.n_layers * frac // 100)
+            times = []
+            for i in range(a.decode_tokens):
+                if cold:
+                    cache.pager.file.drop_cache()
+                t = time.perf_counter()
+                int(model.forward(cache, [ids[(n + i) % len(ids)]]).argmax())
+                times.append(time.perf_counter() - t)
+            cache.pager.settle()
+            decode[(frac, cold)] = statistics.median(times)
 
     cmd = "python -m bench.long_prompt " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"Command: `{cmd.strip()}`. {machine_line()}. Total runtime {time.perf_counter() - t_start:.0f} s.\n")
     print("| prompt, tokens | prefill | TTFT, s (median) | tracked peak, MiB | estimate, MiB |\n|---:|---|---:|---:|---:|")
     for n in a.lengths:
         for name in modes:
-            tracked, est = peaks[(n, name)]
+            if modes[name] < 0 and n not in fits:
+                print(f"| {n} | {name} | refused: {plans[n].describe()} | | |")
+                continue
+            if modes[name] < 0:  # the tracker's part of it, K/V excluded as above (the whole is below)
+                tracked, est = mapped[n][3], None
+            else:
+                tracked, est = peaks[(n, name)]
             print(f"| {n} | {name} | {statistics.median(ttft[(n, name)]):.2f} | {tracked / 2**20:.1f} | "
-                  f"{est / 2**20:.1f} |")
-    print("\n| budget, MiB | longest prompt, plain | longest, partitions (all K/V resident) |\n|---:|---:|---:|")
+                  f"{'-' if est is None else f'{est / 2**20:.1f}'} |")
+    print(f"\nStreamed under {a.stream_budget} MiB (compiled attention; mapped: K/V and spilled rows in this "
+          "process's memory; with tracked: plus the tensors alive at that step):\n")
+    print("| prompt, tokens | plan | most mapped, MiB | most mapped + tracked, MiB | estimate, MiB |\n"
+          "|---:|---|---:|---:|---:|")
+    for n in fits:
+        most, both, plan, _tracked = mapped[n]
+        print(f"| {n} | {plan.describe().split(';')[0]} | {most / 2**20:.1f} | {both / 2**20:.1f} | "
+              f"{plan.peak / 2**20:.1f} |")
+    print("\n| budget, MiB | longest prompt, plain | longest, partitions (all K/V resident) | longest, streamed |\n"
+          "|---:|---:|---:|---:|")
     for mib in a.budgets:
-        print(f"| {mib} | {longest(mib << 20, 0)} | {longest(mib << 20, a.rows)} |")
+        print(f"| {mib} | {longest(mib << 20, 0)} | {longest(mib << 20, a.rows)} | {longest(mib << 20, -1)} |")
+    print(f"\nDecode over the streamed {n}-token context, ms per token (median of {a.decode_tokens}):\n")
+    print("| layers resident | cold (page cache dropped) | warm |\n|---:|---:|---:|")
+    for frac in (0, 25, 50, 100):
+        print(f"| {frac}% | {decode[(frac, True)] * 1e3:.0f} | {decode[(frac, False)] * 1e3:.0f} |")
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def _mapped_bytes(folder: str) -> int:
+    """Bytes of this process's mappings of files under `folder` in memory (their `Rss` in smaps)."""
+    import os
+
+    total, inside = 0, False
+    prefix = os.path.abspath(folder)
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                fields = line.split(None, 5)
+                path = fields[5].strip() if len(fields) > 5 else ""  # "(deleted)" may follow
+                inside = path.startswith(prefix)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 if __name__ == "__main__":

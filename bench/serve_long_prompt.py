@@ -1,0 +1,99 @@
+"""Issue 28's done-when, end to end: a long prompt through `llmaas serve --policy vllm-s` with a small KV
+budget (`--kv-budget` and `--prefill-budget`, so the prefill and the reply's decode stream the K/V
+layer by layer), against the same server without budgets; then a second turn on the same context. The
+replies must be identical; TTFT and the wall time of each call are printed beside them.
+
+    python -m bench.serve_long_prompt [--tokens 5950] [--budget-mib 32] [--max-tokens 32]
+
+It starts each server on its own data directory (under a temporary folder) and port, and stops it after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+
+def _request(port: int, path: str, body: dict, token: str) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"{path}: HTTP {e.code}: {e.read()[:2000].decode(errors='replace')}") from e
+
+
+def _serve(extra: list[str], port: int, prompt: str, a) -> list[dict]:
+    d = tempfile.mkdtemp(prefix="serve-long-")
+    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--data-dir", d, "--port", str(port),
+           "--policy", "vllm-s"] + extra
+    with open(os.path.join(d, "server.log"), "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except OSError:
+                if p.poll() is not None:
+                    raise SystemExit(f"the server stopped; see {d}/server.log")
+                time.sleep(1)
+        with open(os.path.join(d, "admin_token")) as f:
+            admin = f.read().strip()
+        app = _request(port, "/v1/apps", {"name": "docs"}, admin)["token"]
+        ctx = _request(port, "/v1/contexts", {}, app)["id"]
+        out = []
+        for text, n in ((prompt, a.max_tokens), ("Who would read it, and why?", a.max_tokens)):
+            t = time.perf_counter()
+            r = _request(port, f"/v1/contexts/{ctx}/calls", {"prompt": text, "max_tokens": n}, app)
+            r["wall_s"] = time.perf_counter() - t
+            out.append(r)
+        return out
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            p.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=5950, help="tokens of held-out text in the prompt")
+    ap.add_argument("--budget-mib", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--port", type=int, default=8071)
+    a = ap.parse_args(argv)
+    from bench.accuracy import machine_line, real_text_ids
+    from engine.chat import ChatTokenizer
+    from engine.loader import resolve_model
+
+    t0 = time.perf_counter()
+    tok = ChatTokenizer(resolve_model(None).directory)
+    prompt = tok.decode(real_text_ids(tok)[: a.tokens]) + "\n\nIn one sentence, what is this text about?"
+    budget = str(a.budget_mib << 20)
+    small = _serve(["--kv-budget", budget, "--prefill-budget", budget], a.port, prompt, a)
+    plain = _serve([], a.port + 1, prompt, a)
+    cmd = "python -m bench.serve_long_prompt " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"Command: `{cmd.strip()}`. {machine_line()}. Total runtime {time.perf_counter() - t0:.0f} s.\n")
+    print("| server | call | prompt tokens attended | TTFT, s | call, s | reply |\n|---|---:|---:|---:|---:|---|")
+    for name, runs in ((f"--kv-budget/--prefill-budget {a.budget_mib} MiB", small), ("no budget", plain)):
+        for i, r in enumerate(runs, 1):
+            print(f"| {name} | {i} | {r['usage']['prompt_tokens']} | {r['ttft_ms'] / 1e3:.1f} | {r['wall_s']:.1f} | "
+                  f"{r['text'][:60]!r} |")
+    same = [s["text"] for s in small] == [p["text"] for p in plain]
+    print(f"\nReplies identical: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
