@@ -18,6 +18,8 @@ by layer under a budget (engine/kvspill.py), and the longest prompt each fits in
 - Decode over the longest streamed context: ms per token with 0%, 25%, 50% and 100% of the layers
   resident, with the streamed layers' pages dropped from the page cache before every token (cold: each
   token reads them from disk) and without (warm).
+- Baseline: Hugging Face `accelerate` offloading transformers' model of the same checkpoint to disk
+  under `--accelerate-mib` of `max_memory` (one run per length): TTFT and the tensors its forward made.
 
     python -m bench.long_prompt [--lengths 1024 2048 4096 6000 8000] [--rows 512] [--rounds 3] [--stream-budget 32]
 """
@@ -38,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256], help="MiB (default 64 128 256)")
     ap.add_argument("--stream-budget", type=int, default=32, help="MiB for the streamed prefill (default 32)")
     ap.add_argument("--decode-tokens", type=int, default=8)
+    ap.add_argument("--accelerate-mib", type=int, default=64,
+                    help="max_memory of the accelerate offload baseline, MiB (default 64; 0 skips it)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -159,24 +163,26 @@ def main(argv=None) -> int:
         return lo
 
     decode: dict[tuple[int, bool], float] = {}
-    n = max(fits)
-    cache, rows, _plan = new_cache(n, -1)
+    dn = max(fits)
+    cache, rows, _plan = new_cache(dn, -1)
     model.engine_cfg.prefill_partition_rows = rows
-    int(model.forward(cache, ids[:n]).argmax())
+    int(model.forward(cache, ids[:dn]).argmax())
     cache.pager.settle()
     for frac in (0, 25, 50, 100):
         for cold in (True, False):
-            cache.truncate(n)
+            cache.truncate(dn)
             cache.pager.set_resident(cfg.n_layers * frac // 100)
             times = []
             for i in range(a.decode_tokens):
                 if cold:
                     cache.pager.file.drop_cache()
                 t = time.perf_counter()
-                int(model.forward(cache, [ids[(n + i) % len(ids)]]).argmax())
+                int(model.forward(cache, [ids[(dn + i) % len(ids)]]).argmax())
                 times.append(time.perf_counter() - t)
             cache.pager.settle()
             decode[(frac, cold)] = statistics.median(times)
+    del cache
+    offload = accelerate_baseline(ids, a.lengths, a.accelerate_mib, folder) if a.accelerate_mib else {}
 
     cmd = "python -m bench.long_prompt " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"Command: `{cmd.strip()}`. {machine_line()}. Total runtime {time.perf_counter() - t_start:.0f} s.\n")
@@ -204,14 +210,54 @@ def main(argv=None) -> int:
           "|---:|---:|---:|---:|")
     for mib in a.budgets:
         print(f"| {mib} | {longest(mib << 20, 0)} | {longest(mib << 20, a.rows)} | {longest(mib << 20, -1)} |")
-    print(f"\nDecode over the streamed {n}-token context, ms per token (median of {a.decode_tokens}):\n")
+    print(f"\nDecode over the streamed {dn}-token context, ms per token (median of {a.decode_tokens}):\n")
     print("| layers resident | cold (page cache dropped) | warm |\n|---:|---:|---:|")
     for frac in (0, 25, 50, 100):
         print(f"| {frac}% | {decode[(frac, True)] * 1e3:.0f} | {decode[(frac, False)] * 1e3:.0f} |")
+    if offload:
+        print(f"\nBaseline: transformers' model under accelerate (device_map auto, max_memory cpu "
+              f"{a.accelerate_mib} MiB, the rest offloaded to disk), one run each; tracked: tensors made "
+              "during the forward (weights brought in from the offload, activations, its K/V cache):\n")
+        print(f"Placement (modules per device): {offload.pop('placement')}\n")
+        print("| prompt, tokens | TTFT, s | tracked peak, MiB |\n|---:|---:|---:|")
+        for n, (took, peak) in offload.items():
+            print(f"| {n} | {took:.2f} | {peak / 2**20:.1f} |")
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def accelerate_baseline(ids: list[int], lengths: list[int], mib: int, folder: str) -> dict:
+    """Hugging Face transformers' model of the same checkpoint dispatched by accelerate under
+    `max_memory={"cpu": mib MiB}` with the rest offloaded to disk (`device_map="auto"`, which runs
+    `infer_auto_device_map` and `dispatch_model`): {length: (TTFT s, tracked peak bytes)} for each
+    length it completes, and "placement": how many modules accelerate put on each device."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import resolve_model
+    from engine.memtrack import TensorTracker
+
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model(None).directory, dtype=torch.float32, device_map="auto", max_memory={"cpu": mib << 20},
+        offload_folder=os.path.join(folder, "offload"))
+    from collections import Counter
+
+    out = {"placement": dict(Counter(model.hf_device_map.values()))}  # modules per device
+    for n in lengths:
+        tracker = TensorTracker()
+        t = time.perf_counter()
+        try:
+            with torch.no_grad(), tracker:
+                int(model(torch.tensor([ids[:n]]), use_cache=True).logits[0, -1].argmax())
+        except (MemoryError, RuntimeError) as e:  # where it does not complete
+            print(f"accelerate baseline at {n} tokens: {e}", file=sys.stderr)
+            continue
+        out[n] = (time.perf_counter() - t, tracker.peak)
+    return out
 
 
 def _mapped_bytes(folder: str) -> int:
