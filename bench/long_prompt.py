@@ -18,6 +18,8 @@ by layer under a budget (engine/kvspill.py), and the longest prompt each fits in
 - Decode over the longest streamed context: ms per token with 0%, 25%, 50% and 100% of the layers
   resident, with the streamed layers' pages dropped from the page cache before every token (cold: each
   token reads them from disk) and without (warm).
+- Baseline: token-chunked prefill (chunks of `--rows` tokens) with each finished chunk's K/V swapped out
+  through the chunk store and read back for the next (the baseline built from this project's pieces).
 - Baseline: Hugging Face `accelerate` offloading transformers' model of the same checkpoint to disk
   under `--accelerate-mib` of `max_memory` (one run per length): TTFT and the tensors its forward made.
 
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256], help="MiB (default 64 128 256)")
     ap.add_argument("--stream-budget", type=int, default=32, help="MiB for the streamed prefill (default 32)")
     ap.add_argument("--decode-tokens", type=int, default=8)
+    ap.add_argument("--no-swap-baseline", dest="swap_baseline", action="store_false",
+                    help="skip the chunked-swap baseline")
     ap.add_argument("--accelerate-mib", type=int, default=64,
                     help="max_memory of the accelerate offload baseline, MiB (default 64; 0 skips it)")
     ap.add_argument("--threads", type=int, default=2)
@@ -182,6 +186,7 @@ def main(argv=None) -> int:
             cache.pager.settle()
             decode[(frac, cold)] = statistics.median(times)
     del cache
+    swapped = {n: chunked_swap_baseline(model, ids, n, a.rows, folder) for n in a.lengths if a.swap_baseline}
     offload = accelerate_baseline(ids, a.lengths, a.accelerate_mib, folder) if a.accelerate_mib else {}
 
     cmd = "python -m bench.long_prompt " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -214,6 +219,14 @@ def main(argv=None) -> int:
     print("| layers resident | cold (page cache dropped) | warm |\n|---:|---:|---:|")
     for frac in (0, 25, 50, 100):
         print(f"| {frac}% | {decode[(frac, True)] * 1e3:.0f} | {decode[(frac, False)] * 1e3:.0f} |")
+    if swapped:
+        print(f"\nBaseline: token-chunked prefill in chunks of {a.rows} tokens, each finished chunk's K/V written "
+              "raw to the chunk store and dropped, all earlier K/V read back before the next chunk (one run "
+              "each; its K/V in memory at the last chunk is the whole context's, as plain prefill's):\n")
+        print("| prompt, tokens | TTFT, s | streamed TTFT ÷ this |\n|---:|---:|---:|")
+        for n, took in swapped.items():
+            ratio = f"{statistics.median(ttft[(n, streamed)]) / took:.2f}x" if n in fits else "-"
+            print(f"| {n} | {took:.2f} | {ratio} |")
     if offload:
         print(f"\nBaseline: transformers' model under accelerate (device_map auto, max_memory cpu "
               f"{a.accelerate_mib} MiB, the rest offloaded to disk), one run each; tracked: tensors made "
@@ -226,6 +239,36 @@ def main(argv=None) -> int:
 
     shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def chunked_swap_baseline(model, ids: list[int], n: int, rows: int, folder: str) -> float:
+    """TTFT of the baseline a user would build from this project's pieces: prefill `rows` tokens at a
+    time; after each, write the finished 16-token chunks raw through the chunk store
+    (`storage.chunkstore.ChunkStore`) and drop them; before the next, read every earlier chunk back
+    (attention needs them all)."""
+    import os
+
+    from storage import codecs
+    from storage.chunkstore import ChunkStore
+
+    store = ChunkStore(os.path.join(folder, f"chunks-{n}"), fingerprint="bench")
+    key = f"{n:08x}"
+    cache = model.new_cache(n + 1)
+    c = cache.chunk_tokens
+    written = 0  # chunks in the store
+    t = time.perf_counter()
+    for s0 in range(0, n, rows):
+        for i, enc in store.read(key, range(written)):
+            cache.put_chunk(i, codecs.decode(enc))
+        logits = model.forward(cache, ids[s0 : min(n, s0 + rows)])
+        full = cache.length // c if s0 + rows < n else cache.n_chunks  # the last partial chunk at the end
+        store.write_many(key, [(i, codecs.encode(cache.chunk_array(i), "raw", dtype="float32"), i * c)
+                               for i in range(written, full)])
+        for i in range(full):
+            cache.drop_chunk(i)
+        written = full
+    int(logits.argmax())
+    return time.perf_counter() - t
 
 
 def accelerate_baseline(ids: list[int], lengths: list[int], mib: int, folder: str) -> dict:
