@@ -348,7 +348,7 @@ class Transformer:
         spill = None
         try:
             if pager is not None and pager.spill_hidden and len(parts) > 1 and not all_logits:
-                spill = RowSpill(pager.spill_dir, n, self.cfg.hidden_size, self.dtype, pager.bg.overlap)
+                spill = RowSpill(pager.spill_dir, n, self.cfg.hidden_size, self.dtype, pager.overlap)
                 for r0, r1 in parts:
                     spill.enter(r0, r1).copy_(self.w.embed(ids[r0:r1]))
                     spill.leave(r0, r1)

@@ -154,6 +154,8 @@ class PrefillPlan:
     resident_layers: int = 0
     """Layers whose K/V stays in the budget; the others are streamed (fewer than all only when
     ``severe``)."""
+    decode_bound: bool = False
+    """``refuse`` only: decoding after the prefill (three streamed layers' K/V) is what does not fit."""
 
     @property
     def partitions(self) -> int:
@@ -163,9 +165,10 @@ class PrefillPlan:
         """A one-line account for an error message or a log."""
         mib = 1 << 20
         if self.kind == "refuse":
+            how = ("to decode after it with three layers' K/V in memory" if self.decode_bound else
+                   f"partitioned by {self.partition_rows} rows, hidden state spilled")
             return (f"a prefill of {self.new} tokens onto {self.cached} needs at least {self.peak / mib:.1f} MiB "
-                    f"(partitioned by {self.partition_rows} rows, hidden state spilled), over the budget of "
-                    f"{self.budget / mib:.1f} MiB")
+                    f"({how}), over the budget of {self.budget / mib:.1f} MiB")
         resident = f", K/V of {self.resident_layers} layer(s) resident" if self.kind == "severe" else ""
         return (f"{self.kind}: {self.partitions} partition(s) of {self.partition_rows} rows"
                 f"{', hidden state spilled' if self.spill_hidden else ''}{resident}; estimated peak "
@@ -264,8 +267,8 @@ def plan_prefill(shape: PrefillShape, new: int, cached: int, budget: int) -> Pre
                 resident = min(layers - 1, (budget - peak) // per_layer)
                 return PrefillPlan("severe", new, cached, r, spill, peak + resident * per_layer, budget, resident)
     smallest = min(FEW_ROWS, new)
-    return PrefillPlan("refuse", new, cached, smallest, True,
-                       max(decode, peak_bytes(shape, new, cached, smallest, severe=True, spill=True)), budget)
+    least = peak_bytes(shape, new, cached, smallest, severe=True, spill=True)
+    return PrefillPlan("refuse", new, cached, smallest, True, max(decode, least), budget, decode_bound=decode > least)
 
 
 def _partition_sizes(new: int) -> list[int]:

@@ -75,7 +75,11 @@ def test_a_streamed_context_counts_its_window_and_its_decode():
     budget = max(decode, steps + 256 * 56 + window) + per_layer
     severe = plan_prefill(SHAPE, 64, 1000, budget)
     assert (severe.kind, severe.partition_rows, severe.resident_layers) == ("severe", 8, 1)
-    assert plan_prefill(SHAPE, 64, 1000, decode - 1).kind == "refuse"  # the decode after it would not fit
+    refused = plan_prefill(SHAPE, 64, 1000, decode - 1)  # the decode after it would not fit either
+    assert refused.kind == "refuse" and not refused.decode_bound and "8 rows" in refused.describe()
+    native = PrefillShape(**{**_fields(SHAPE), "native_attention": True})  # its row path holds little
+    refused = plan_prefill(native, 640, 0, streamed_decode_bytes(native, 640) - 1)
+    assert refused.kind == "refuse" and refused.decode_bound and "to decode after it" in refused.describe()
 
 
 def test_cached_tokens_count_as_keys_and_as_kv():
