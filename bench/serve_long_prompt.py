@@ -5,7 +5,8 @@ replies must be identical; TTFT and the wall time of each call are printed besid
 
     python -m bench.serve_long_prompt [--tokens 5950] [--budget-mib 32] [--max-tokens 32]
 
-It starts each server on its own data directory (under a temporary folder) and port, and stops it after.
+It starts each server on its own data directory (a temporary folder, removed after a run that succeeded)
+and port, and stops it after.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +40,7 @@ def _serve(extra: list[str], port: int, prompt: str, a) -> list[dict]:
            "--policy", "vllm-s"] + extra
     with open(os.path.join(d, "server.log"), "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ok = False
     try:
         for _ in range(600):
             try:
@@ -57,6 +60,7 @@ def _serve(extra: list[str], port: int, prompt: str, a) -> list[dict]:
             r = _request(port, f"/v1/contexts/{ctx}/calls", {"prompt": text, "max_tokens": n}, app)
             r["wall_s"] = time.perf_counter() - t
             out.append(r)
+        ok = True
         return out
     finally:
         os.killpg(p.pid, signal.SIGINT)
@@ -64,6 +68,10 @@ def _serve(extra: list[str], port: int, prompt: str, a) -> list[dict]:
             p.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
+        if ok:
+            shutil.rmtree(d, ignore_errors=True)  # its chunk files: hundreds of MB a run
+        else:
+            print(f"the server's data directory and log are kept in {d}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
