@@ -77,5 +77,5 @@ def streamable_working_set(model, capacity: int, kv_format: str, directory: str,
     ws = KVCache.mapped(model.cfg, path, capacity, chunk_tokens=model.engine_cfg.chunk_tokens, dtype=model.dtype,
                         kv_format=kv_format)
     if not name:
-        ws.pager.file.close()
+        ws.pager.file.unlink()
     return ws

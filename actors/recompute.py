@@ -65,7 +65,7 @@ class FileSegment:
         """The mapping goes with the last view of it."""
 
     def unlink(self) -> None:
-        self.file.close(unlink=True)
+        self.file.unlink()
 
 
 def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     import tempfile
 
     from engine.kvcache import KVCache
+    from engine.kvspill import mapped_rss
     from engine.memtrack import TensorTracker
     from actors.admission import prefill_shape
     from scheduler.prefill import estimate_steps, peak_bytes, plan_prefill
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
     streamed = f"streamed, {a.stream_budget} MiB"
     modes = {"plain": 0, f"partitions of {a.rows}": a.rows, streamed: -1, streamed + ", writes in line": -2}
     folder = tempfile.mkdtemp(prefix="long-prompt-", dir=".")  # on the disk: a tmpfs would hold it in memory
+    prefix = os.path.abspath(folder)  # its files' mappings are what the streamed runs hold
     native_shape = prefill_shape(model, "float")
     plans = {n: plan_prefill(native_shape, n, 0, a.stream_budget << 20) for n in a.lengths}
     fits = [n for n in a.lengths if plans[n].kind != "refuse"]  # what the streamed runs can take
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         os.close(fd)
         cache = KVCache.mapped(cfg, path, n + 1 + a.decode_tokens, chunk_tokens=model.engine_cfg.chunk_tokens,
                                dtype=model.dtype)
-        cache.pager.file.close()  # unlinked: the mapping keeps it until the cache goes
+        cache.pager.file.unlink()  # the mapping keeps it until the cache goes
         cache.pager.set_resident(plan.resident_layers)
         cache.pager.spill_hidden = plan.spill_hidden
         cache.pager.overlap = rows == -1
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
             tracker.mark(step, layer)
             most[2] = max(most[2], tracker.steps[-1].peak)
             if step == "mlp":  # K/V and spilled rows mapped now (smaps covers every mapping of ours)
-                m = _mapped_bytes(folder)
+                m = mapped_rss(lambda _lo, _hi, path: path.startswith(prefix))
                 most[0] = max(most[0], m)
                 most[1] = max(most[1], m + max(s.peak for s in tracker.steps[-3:]))
 
@@ -301,24 +303,6 @@ def accelerate_baseline(ids: list[int], lengths: list[int], mib: int, folder: st
             continue
         out[n] = (time.perf_counter() - t, tracker.peak)
     return out
-
-
-def _mapped_bytes(folder: str) -> int:
-    """Bytes of this process's mappings of files under `folder` in memory (their `Rss` in smaps)."""
-    import os
-
-    total, inside = 0, False
-    prefix = os.path.abspath(folder)
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and not head.endswith(":"):
-                fields = line.split(None, 5)
-                path = fields[5].strip() if len(fields) > 5 else ""  # "(deleted)" may follow
-                inside = path.startswith(prefix)
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 if __name__ == "__main__":

@@ -97,65 +97,71 @@ class MappedFile:
     def resident_bytes(self) -> int:
         """Bytes of the mapping in this process's memory now (its `Rss` in `/proc/self/smaps`)."""
         start = self.base.data_ptr()
-        found = False
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                if not found:
-                    head = line.split(" ", 1)[0]
-                    if "-" in head and not head.endswith(":"):
-                        a, _, b = head.partition("-")
-                        try:
-                            found = int(a, 16) <= start < int(b, 16)
-                        except ValueError:
-                            found = False
-                elif line.startswith("Rss:"):
-                    return int(line.split()[1]) * 1024
-        return 0
+        return mapped_rss(lambda lo, hi, _path: lo <= start < hi)
 
-    def close(self, unlink: bool = True) -> None:
-        """Unlink the file (`unlink`); the mapping itself goes with the last view of it."""
-        if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+    def unlink(self) -> None:
+        """Remove the file's name; the mapping itself goes with the last view of it."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def mapped_rss(select) -> int:
+    """Bytes in this process's memory of the mappings `select(start, end, path)` picks (their `Rss` in
+    `/proc/self/smaps`; `path` may end in " (deleted)")."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: range, perms, ..., path
+                a, _, b = head.partition("-")
+                fields = line.split(None, 5)
+                try:
+                    inside = select(int(a, 16), int(b, 16), fields[5].strip() if len(fields) > 5 else "")
+                except ValueError:
+                    inside = False
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 class _Background:
     """One thread that writes ranges out and reads them ahead, in order; each job's future is kept by
-    key so a later user of the same range waits for it. Records (kind, key, start, end) events.
+    (kind, index) so a later user of the same range waits for it. Records (kind, index, start, end)
+    events.
     `overlap` False runs every job in the caller's thread instead (what the overlap buys is measured
     against it: bench/long_prompt.py)."""
 
     def __init__(self, name: str, overlap: bool = True) -> None:
         self.overlap = overlap
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self.jobs: dict[object, Future] = {}
+        self.jobs: dict[tuple[str, object], Future] = {}
         self.events: list[tuple[str, object, float, float]] = []
         self.before_write = None
-        """Tests: called as `before_write(key)` on the background thread before a write begins (a gate)."""
+        """Tests: called as `before_write(index)` on the background thread before a write begins (a gate)."""
 
-    def submit(self, kind: str, key, fn) -> None:
+    def submit(self, kind: str, index, fn) -> None:
         def job():
             if kind == "write" and self.before_write is not None:
-                self.before_write(key)
+                self.before_write(index)
             a = time.monotonic()
             fn()
-            self.events.append((kind, key, a, time.monotonic()))
+            self.events.append((kind, index, a, time.monotonic()))
 
         if not self.overlap:
             job()
             return
-        self.jobs[key] = self.pool.submit(job)
+        self.jobs[(kind, index)] = self.pool.submit(job)
 
-    def wait(self, key) -> None:
-        fut = self.jobs.pop(key, None)
+    def wait(self, kind: str, index) -> None:
+        fut = self.jobs.pop((kind, index), None)
         if fut is not None:
             fut.result()
 
     def settle(self) -> None:
-        for key in list(self.jobs):
-            self.wait(key)
+        for kind, index in list(self.jobs):
+            self.wait(kind, index)
 
 
 class LayerPager:
@@ -208,7 +214,7 @@ class LayerPager:
         layers = max(0, min(self.n_layers, int(layers)))
         was, self.resident = self.resident, layers
         for layer in range(layers, was):
-            self.leave(layer, written=0)
+            self.leave(layer, 0)
         self.bg.settle()
 
     def enter(self, layer: int) -> None:
@@ -216,20 +222,20 @@ class LayerPager:
         the next streamed layer."""
         if layer < self.resident:
             return
-        self.bg.wait(layer)
+        self.bg.wait("write", layer)
         nxt = layer + 1
         if nxt < self.n_layers and nxt >= self.resident:
-            self.bg.wait(nxt)  # its last write, before it is read again
-            self.bg.submit("read", ("read", nxt), lambda: self.file.read_ahead(*self.span(nxt)))
+            self.bg.wait("write", nxt)  # its last write, before it is read again
+            self.bg.submit("read", nxt, lambda: self.file.read_ahead(*self.span(nxt)))
 
-    def leave(self, layer: int, written: int | None = None) -> None:
+    def leave(self, layer: int, written: int) -> None:
         """`layer` is done for this pass: a streamed layer is written out and unmapped on the background
-        thread (`written`: the bytes it changed, for the counter; None: the whole slab)."""
+        thread (`written`: the bytes of K/V rows the pass changed in it, for the counter)."""
         if layer < self.resident:
             return
-        self.bg.jobs.pop(("read", layer), None)
+        self.bg.jobs.pop(("read", layer), None)  # a read ahead done or moot by now
         off, n = self.span(layer)
-        self.written_bytes += n if written is None else written
+        self.written_bytes += written
 
         def out() -> None:
             self.file.write_out(off, n)
@@ -261,12 +267,12 @@ class RowSpill:
         os.close(fd)
         self.row_bytes = width * dtype.itemsize
         self.file = MappedFile(path, max(PAGE, rows * self.row_bytes))
-        self.file.close()  # unlinked now: the mapping keeps it until this spill is gone
+        self.file.unlink()  # the mapping keeps it until this spill is gone
         self.x = self.file.tensor((rows, width), dtype)
         self.bg = _Background("rowspill", overlap)
 
     def enter(self, r0: int, r1: int) -> torch.Tensor:
-        self.bg.wait((r0, r1))
+        self.bg.wait("write", (r0, r1))
         return self.x[r0:r1]
 
     def leave(self, r0: int, r1: int) -> None:

@@ -367,7 +367,7 @@ class Transformer:
                     if self.step_hook is not None:  # after the block's locals are gone
                         self.step_hook("mlp", layer)
                 if pager is not None:  # written out and unmapped while the next layer computes
-                    pager.leave(layer, written=n * pager.row_bytes)
+                    pager.leave(layer, n * pager.row_bytes)
                 yield layer + 1
             if spill is not None:
                 x = spill.enter(n - 1, n).clone()
