@@ -58,6 +58,8 @@ class CtxBook:
     """The governor's book of one context."""
 
     app: str
+    adapter: str = ""
+    """Key of the LoRA adapter the context is computed under ("" for none): its records carry it."""
     kv_tokens: int = 0
     """Tokens of the context that have chunks (K/V computed at least once)."""
     chunks: dict[int, Chunk] = field(default_factory=dict)

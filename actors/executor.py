@@ -113,8 +113,8 @@ class InProcessRestorer:
         groups = layer_groups(self.model.cfg.n_layers, self.group_layers if pipelined else self.model.cfg.n_layers)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
                              load, list(plan.recompute), groups)
-        items = (_read_ahead(lambda: self.io.read_groups(plan.ctx, load, groups)) if pipelined
-                 else self.io.read_batches(plan.ctx, load, 1))
+        items = (_read_ahead(lambda: self.io.read_groups(plan.ctx, load, groups, plan.adapter)) if pipelined
+                 else self.io.read_batches(plan.ctx, load, 1, plan.adapter))
         stats, whole = restore(ws, req, items, model=self.model, adapter=self.adapters.by_key(plan.adapter),
                                pool=self.pool,
                                resolve=lambda hs: [self.resolve(h) for h in hs],

@@ -109,7 +109,7 @@ class MemoryGovernor:
         self.registry.drop_resident()
         for app in self.registry.apps():
             for summary in self.registry.list_contexts(app):
-                book = CtxBook(app)
+                book = CtxBook(app, summary.adapter)
                 saved = self.registry.load_state(summary.id)
                 if saved is not None:
                     state = json.loads(saved[0])
@@ -178,7 +178,7 @@ class MemoryGovernor:
             ctx = self.registry.create_context(app, system_prompt, adapter)
             if state is not None:
                 self.registry.save_state(ctx, np.asarray(token_ids, dtype=np.int64), text, state, b"")
-        self.books[ctx] = CtxBook(app)
+        self.books[ctx] = CtxBook(app, adapter)
         return ctx
 
     def delete_ctx(self, ctx: str, app: str | None = None) -> None:
@@ -229,7 +229,7 @@ class MemoryGovernor:
         (the HTTP API's `GET /v1/contexts/{id}`). UnknownContextError for another app's context."""
         row = self.registry.get_context(ctx, app)
         saved = self.registry.load_state(ctx)
-        book = self.books.get(ctx) or CtxBook(row.app)
+        book = self.books.get(ctx) or CtxBook(row.app, row.adapter)
         return describe_context(row, json.loads(saved[0]) if saved else {}, book, self.cfg.chunk_tokens,
                                 busy=ctx in self.locked)
 
@@ -428,7 +428,7 @@ class MemoryGovernor:
             if self.policy.on_pressure == "swap" and self.policy.aot_swap_out:
                 todo = [(i, book.chunks[i].handle, token_starts[i]) for i, *_ in encoded if book.chunks[i].file is None]
                 if todo:  # started, not waited for: the next call's plan need not wait for its fsyncs
-                    w = self.writes.start(ctx, todo, self.io.write_async(ctx, todo))
+                    w = self.writes.start(ctx, todo, self.io.write_async(ctx, todo, book.adapter))
                     if self.wake is not None:
                         w.pending.add_done_callback(lambda _f: self.wake())
             self._persist_rows(ctx, book)
@@ -618,8 +618,8 @@ class MemoryGovernor:
     def _write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> None:
         if not todo:
             return
-        metas = self.io.write(ctx, todo)
         book = self.books[ctx]
+        metas = self.io.write(ctx, todo, book.adapter)
         for (i, _, _), meta in zip(todo, metas):
             self.stats["swap_out_bytes"] += book.chunks[i].written(meta)
 

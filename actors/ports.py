@@ -109,19 +109,22 @@ class GovernorPort(Protocol):
 class SwapIOPort(Protocol):
     """The KV swap/IO worker: chunk records to and from disk."""
 
-    def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
+    # `adapter` (a key, "" for none) is the LoRA adapter the context's K/V is computed under: records
+    # carry it in their tag (`KVKey.record_tag`), and a read under another adapter fails the chunk.
+
+    def write(self, ctx: str, todo: list[tuple[int, Any, int]], adapter: str = "") -> list[dict]:
         """Write chunks (index, handle, token start); returns each record's name, bytes, checksum."""
 
-    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]) -> Any:
+    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]], adapter: str = "") -> Any:
         """`write` started and not waited for: something with `done()` and `result()` (a future)."""
 
-    def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
+    def read(self, ctx: str, indices: list[int], adapter: str = "") -> tuple[dict[int, Any], dict[int, str]]:
         """Read whole chunks: ({index: EncodedChunk}, {index: error code})."""
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int) -> Iterator[Any]:
+    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = "") -> Iterator[Any]:
         """Whole chunks in batches of `batch` (`ChunkBatch` items, object refs on Ray)."""
 
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range]) -> Iterator[Any]:
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = "") -> Iterator[Any]:
         """The chunks layer group by layer group (`LayerGroup` items, object refs on Ray)."""
 
     def delete(self, ctx: str, index: int) -> None:

@@ -92,15 +92,15 @@ class IOActor(KVSwapIO, Health):
     GROUPS = {"write": 1}
 
     @ray.method(concurrency_group="write")
-    def write(self, ctx: str, todo: list) -> list[dict]:
-        return super().write(ctx, todo)
+    def write(self, ctx: str, todo: list, adapter: str = "") -> list[dict]:
+        return super().write(ctx, todo, adapter)
 
-    def __init__(self, root: str, fingerprint: str, config, data_dir: str, tuning: Tuning = Tuning(), **kw) -> None:
+    def __init__(self, root: str, key, config, data_dir: str, tuning: Tuning = Tuning(), **kw) -> None:
         from actors.metrics import Metrics
 
         private_files()
 
-        super().__init__(root, fingerprint, config, **kw)
+        super().__init__(root, key, config, **kw)
         m = Metrics()
         m.start("io", data_dir)
         restarted("io", data_dir, m)

@@ -91,10 +91,10 @@ class RayRestorer:
         loads = [i for i, _, _ in plan.load]
         # ask for the reads before the decode threads take both cores: the IO worker's request (and the
         # worker itself, which requests no CPU) would otherwise wait behind them
-        refs = self.io.read_batches(plan.ctx, loads, self.batch_size(plan)) if loads else None
+        refs = self.io.read_batches(plan.ctx, loads, self.batch_size(plan), plan.adapter) if loads else None
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, keys, loads, [],
                              [range(self.cfg.n_layers)], recompute_failed=False)
-        items = self._batches(refs, plan.ctx, loads) if loads else ()
+        items = self._batches(refs, plan.ctx, loads, plan.adapter) if loads else ()
         res, whole = restore(ws, req, items, pool=self.pool, resolve=self._resolve_keys,
                              streaming_stores=self.tuning.streaming_stores)
         if res.failed:  # files found missing or corrupt: recompute them now that every other chunk is in
@@ -117,7 +117,7 @@ class RayRestorer:
         fetched = iter(resolve_chunks([self.held[k] for k in missing]) if missing else ())
         return [v if v is not None else next(fetched) for v in views]
 
-    def _batches(self, refs, ctx: str, loads: list[int]):
+    def _batches(self, refs, ctx: str, loads: list[int], adapter: str):
         """The IO worker's batches, fetched; if the worker stops mid-stream, the restarted one reads
         the rest in one go (a batch of index -1)."""
         got: set[int] = set()
@@ -131,7 +131,7 @@ class RayRestorer:
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError):
             rest = [i for i in loads if i not in got and i not in failed]
             t = time.monotonic()
-            chunks, more = self.io.read(ctx, rest)
+            chunks, more = self.io.read(ctx, rest, adapter)
             yield ChunkBatch(-1, list(chunks.items()), {**failed, **more}, t, time.monotonic())
 
     def _finish(self, ws, plan, res, size, whole: list[int] = ()):

@@ -66,7 +66,7 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     prepare_data_dir(config.data_dir)
     common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
     io = _actor(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
-        str(Path(config.data_dir) / "chunks"), KVKey(resolved.fingerprint, parts.engine.weights, kv_format=parts.engine.kv_format).record_tag(), parts.store,
+        str(Path(config.data_dir) / "chunks"), KVKey(resolved.fingerprint, parts.engine.weights, kv_format=parts.engine.kv_format), parts.store,
         config.data_dir, tuning=parts.tuning, resolve=resolve_chunks)
     gov = _actor(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
         config, parts, io, resolved.fingerprint)

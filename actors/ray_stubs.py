@@ -241,22 +241,22 @@ class SwapIOStub:
     def __init__(self, handle) -> None:
         self.handle = handle
 
-    def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
-        return retry.call(self.handle.write, ctx, todo)
+    def write(self, ctx: str, todo: list[tuple[int, Any, int]], adapter: str = "") -> list[dict]:
+        return retry.call(self.handle.write, ctx, todo, adapter)
 
-    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]):
+    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]], adapter: str = ""):
         """The write's object ref as a future (a restart in between fails it: the governor logs it,
         and the chunks are written on demand if evicted)."""
-        return self.handle.write.remote(ctx, todo).future()
+        return self.handle.write.remote(ctx, todo, adapter).future()
 
-    def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
-        return retry.call(self.handle.read, ctx, indices)
+    def read(self, ctx: str, indices: list[int], adapter: str = "") -> tuple[dict[int, Any], dict[int, str]]:
+        return retry.call(self.handle.read, ctx, indices, adapter)
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int):
-        return self.handle.read_batches.remote(ctx, indices, batch)
+    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = ""):
+        return self.handle.read_batches.remote(ctx, indices, batch, adapter)
 
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range]):
-        return self.handle.read_groups.remote(ctx, indices, groups)
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = ""):
+        return self.handle.read_groups.remote(ctx, indices, groups, adapter)
 
     def delete(self, ctx: str, index: int) -> None:
         retry.call(self.handle.delete, ctx, index)

@@ -138,7 +138,8 @@ class RecomputeWorker:
         from actors.ray_stubs import resolve_chunks
 
         ws = self._attach(req.shm_name, req.capacity)
-        items = (ray.get(ref) for ref in self.io.read_groups(req.ctx, req.load, req.groups)) if req.load else ()
+        items = (ray.get(ref) for ref in self.io.read_groups(req.ctx, req.load, req.groups,
+                                                                       req.adapter.key if req.adapter else "")) if req.load else ()
         a = req.adapter
         adapter = self.adapters.resolve(a.name, a.path, a.key) if a is not None else None
         res, _whole = restore(ws, req, items, model=self.model, adapter=adapter, resolve=resolve_chunks,

@@ -245,7 +245,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
         engine = ContextEngine(engine.model, engine.tok, parts.engine)
         engine.fingerprint = fingerprint
     registry = Registry(str(root / "registry.db"), config=parts.registry)
-    io = KVSwapIO(str(root / "chunks"), KVKey(fingerprint, engine.model.weight_format, kv_format=config.kv_format).record_tag(), parts.store)
+    io = KVSwapIO(str(root / "chunks"), KVKey(fingerprint, engine.model.weight_format, kv_format=config.kv_format), parts.store)
     if profile is None:
         profile = _local_profile(config, engine, fingerprint)
     governor = MemoryGovernor(registry, io, parts.governor, profile=profile, clock=time.monotonic)

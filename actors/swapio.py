@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import shared_memory
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from actors.messages import KVKey
 from storage.chunkstore import ChunkStore, ChunkStoreConfig
 from storage.codecs import EncodedChunk
 from storage.errors import StorageError
@@ -88,12 +89,15 @@ class KVSwapIO:
     def __init__(
         self,
         root: str,
-        fingerprint: str,
+        key: KVKey | str,
         config: ChunkStoreConfig | None = None,
         *,
         resolve: Callable[[list[Any]], list[EncodedChunk]] = list,
     ) -> None:
-        self.store = ChunkStore(root, config, fingerprint=fingerprint)
+        self.key = key if isinstance(key, KVKey) else KVKey(key)
+        """The model part of the K/V key (a bare string: a fingerprint); each read and write names the
+        context's adapter, and its records carry the whole tag (`KVKey.record_tag`)."""
+        self.store = ChunkStore(root, config, fingerprint=self.key.record_tag())
         self.resolve = resolve
         self.bytes_written = 0
         self.bytes_read = 0
@@ -102,38 +106,45 @@ class KVSwapIO:
         self._writer: ThreadPoolExecutor | None = None
         """The thread of `write_async` (made on first use), beside the caller's reads."""
 
-    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]]) -> Future:
+    def tag(self, adapter: str = "") -> str:
+        """What the records of a context computed under `adapter` ("" for none) carry."""
+        return replace(self.key, adapter=adapter).record_tag()
+
+    def write_async(self, ctx: str, todo: list[tuple[int, Any, int]], adapter: str = "") -> Future:
         """`write` on a thread of its own, in the order started: the future of its result. Reads go
         on meanwhile (the chunk store serialises what must be)."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="chunk-writer")
-        return self._writer.submit(self.write, ctx, todo)
+        return self._writer.submit(self.write, ctx, todo, adapter)
 
-    def write(self, ctx: str, todo: list[tuple[int, Any, int]]) -> list[dict]:
+    def write(self, ctx: str, todo: list[tuple[int, Any, int]], adapter: str = "") -> list[dict]:
         """Write chunks (index, handle, first token) crash-safely, one pack per run of consecutive
         indices (`ChunkStore.write_many`); returns name/nbytes/checksum each, in order."""
         t0 = time.monotonic()
         encs = self.resolve([h for _i, h, _t in todo])
-        metas = self.store.write_many(ctx, [(i, enc, t) for (i, _h, t), enc in zip(todo, encs)])
+        metas = self.store.write_many(ctx, [(i, enc, t) for (i, _h, t), enc in zip(todo, encs)],
+                                      tag=self.tag(adapter))
         out = [{"name": m.name, "nbytes": m.nbytes, "checksum": m.checksum} for m in metas]
         nbytes = sum(o["nbytes"] for o in out)
         self.bytes_written += nbytes
         self.observe("out", nbytes, time.monotonic() - t0)
         return out
 
-    def read(self, ctx: str, indices: list[int]) -> tuple[dict[int, EncodedChunk], dict[int, str]]:
-        """Read whole chunks; returns (chunks read, {index: error code} for unreadable ones)."""
-        chunks, failed = self.read_stream(ctx, indices)
+    def read(self, ctx: str, indices: list[int], adapter: str = "") -> tuple[dict[int, EncodedChunk], dict[int, str]]:
+        """Read whole chunks; returns (chunks read, {index: error code} for unreadable ones, records
+        computed under another adapter among them)."""
+        chunks, failed = self.read_stream(ctx, indices, adapter)
         return dict(chunks), failed
 
-    def read_stream(self, ctx: str, indices: list[int]) -> tuple[Iterator[tuple[int, EncodedChunk]], dict[int, str]]:
+    def read_stream(self, ctx: str, indices: list[int], adapter: str = ""
+                    ) -> tuple[Iterator[tuple[int, EncodedChunk]], dict[int, str]]:
         """Read whole chunks, yielding each (index, chunk) as soon as it is read and checked; the
         second value fills with {index: error code} of unreadable ones as the iterator runs."""
         failed: dict[int, str] = {}
 
         def chunks() -> Iterator[tuple[int, EncodedChunk]]:
             t0, nbytes = time.monotonic(), 0
-            for i, enc in self.store.read(ctx, indices):
+            for i, enc in self.store.read(ctx, indices, tag=self.tag(adapter)):
                 if isinstance(enc, StorageError):
                     failed[i] = enc.code
                 else:
@@ -144,12 +155,12 @@ class KVSwapIO:
 
         return chunks(), failed
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int) -> Iterator[ChunkBatch]:
+    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = "") -> Iterator[ChunkBatch]:
         """Read whole chunks, yielding them `batch` at a time as soon as they are read and checked
         (under Ray a streaming generator: the consumer decodes batch `k` while `k+1` is read)."""
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
-        chunks, failed = self.read_stream(ctx, indices)
+        chunks, failed = self.read_stream(ctx, indices, adapter)
         got: list[tuple[int, EncodedChunk]] = []
         k, t0 = 0, time.monotonic()
         for i, enc in chunks:
@@ -160,14 +171,16 @@ class KVSwapIO:
         if got or failed or k == 0:
             yield ChunkBatch(k, got, dict(failed), t0, time.monotonic())
 
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range]) -> Iterator[LayerGroup]:
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = ""
+                    ) -> Iterator[LayerGroup]:
         """Read the chunks layer group by layer group, yielding each group as soon as it is read."""
         failed: dict[int, str] = {}
-        self.store.prefetch(ctx, indices)
+        tag = self.tag(adapter)
+        self.store.prefetch(ctx, indices, tag=tag)
         for g, layers in enumerate(groups):
             t0 = time.monotonic()
             chunks: dict[int, EncodedChunk] = {}
-            _sort(self.store.read_layers(ctx, [i for i in indices if i not in failed], layers),
+            _sort(self.store.read_layers(ctx, [i for i in indices if i not in failed], layers, tag=tag),
                   chunks, failed)
             nbytes = sum(c.nbytes for c in chunks.values())
             self.bytes_read += nbytes

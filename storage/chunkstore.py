@@ -135,11 +135,14 @@ class ChunkStore:
         """
         return self.write_many(key, [(index, enc, token_start)])[0]
 
-    def write_many(self, key: str, items: Sequence[tuple[int, EncodedChunk, int]]) -> list[ChunkMeta]:
+    def write_many(self, key: str, items: Sequence[tuple[int, EncodedChunk, int]], *, tag: str | None = None
+                   ) -> list[ChunkMeta]:
         """Write chunks ``(index, encoded, token_start)`` of one context: one pack per run of
         consecutive indices, each crash-safe; a meta per item, in order (see
-        :meth:`storage.packwriter.PackWriter.write_many`)."""
-        return self._writer.write_many(key, items)
+        :meth:`storage.packwriter.PackWriter.write_many`). Each record carries ``tag`` (what it was
+        computed under, `actors.messages.KVKey.record_tag`; default the store's fingerprint), and
+        every read must name the same."""
+        return self._writer.write_many(key, items, tag)
 
     def delete(self, key: str, index: int) -> bool:
         """Delete one chunk's record so that it stays deleted after a restart; False if it had none."""
@@ -162,25 +165,26 @@ class ChunkStore:
 
     # -- reading -------------------------------------------------------------------------------------
 
-    def read(self, key: str, indices: Iterable[int], *, executor: Executor | None = None
-             ) -> Iterator[tuple[int, EncodedChunk | StorageError]]:
+    def read(self, key: str, indices: Iterable[int], *, executor: Executor | None = None,
+             tag: str | None = None) -> Iterator[tuple[int, EncodedChunk | StorageError]]:
         """Whole chunks of one context, checked, in the order asked: yields ``(index, chunk or the
-        StorageError that chunk raised)``. With ``executor`` runs are read and checked on it."""
-        return self._reader.read(key, indices, executor=executor)
+        StorageError that chunk raised)``. With ``executor`` runs are read and checked on it. A
+        record whose tag is not ``tag`` (default the store's fingerprint) is FingerprintMismatchError."""
+        return self._reader.read(key, indices, executor=executor, tag=tag)
 
-    def read_layers(self, key: str, indices: Iterable[int], layers: range
+    def read_layers(self, key: str, indices: Iterable[int], layers: range, *, tag: str | None = None
                     ) -> Iterator[tuple[int, EncodedChunk | StorageError]]:
         """Layers ``layers`` (a non-empty step-1 range) of chunks of one context, each layer checked,
         in the order asked: yields ``(index, those layers or the chunk's StorageError)``."""
-        return self._reader.read_layers(key, indices, layers)
+        return self._reader.read_layers(key, indices, layers, tag)
 
-    def prefetch(self, key: str, indices: Iterable[int]) -> int:
+    def prefetch(self, key: str, indices: Iterable[int], *, tag: str | None = None) -> int:
         """Ask the kernel to start reading these chunks' records and return at once; missing chunks
-        are skipped. Returns the number of chunks advised."""
-        return self._reader.prefetch(key, indices)
+        (and records under another tag) are skipped. Returns the number of chunks advised."""
+        return self._reader.prefetch(key, indices, tag)
 
     def check(self, key: str, index: int, expected_checksum: str | None = None, *,
-              deep: bool = True) -> ChunkMeta:
+              deep: bool = True, tag: str | None = None) -> ChunkMeta:
         """Verify one chunk (pack size and header bytes; with ``deep`` every payload byte) and return
         its meta; raises its StorageError, CorruptChunkError when ``expected_checksum`` differs."""
-        return self._reader.check(key, index, expected_checksum, deep=deep)
+        return self._reader.check(key, index, expected_checksum, deep=deep, tag=tag)

@@ -77,14 +77,16 @@ class PackReader:
 
     # -- the two reads -------------------------------------------------------------------------------
 
-    def read(self, key: str, indices: Iterable[int], *, executor: Executor | None = None
-             ) -> Iterator[Result]:
+    def read(self, key: str, indices: Iterable[int], *, executor: Executor | None = None,
+             tag: str | None = None) -> Iterator[Result]:
         """Whole chunks of one context, in the order asked: ``(index, chunk or its error)``.
+        ``tag`` is what every record must carry (default: the reader's fingerprint).
 
         Each record is checked on its own (header bytes, payload crc32). The payload is writable
         and, when no layer is lz4-compressed, a view of the buffer the run was read into.
         """
-        plan = self._plan(key, list(indices))
+        tag = tag or self.fingerprint
+        plan = self._plan(key, list(indices), tag)
         fds: dict[str, int] = {}
         prime = []
         try:
@@ -101,10 +103,10 @@ class PackReader:
                     while len(ahead) < 2 and k + len(ahead) < len(plan):
                         j = k + len(ahead)
                         ahead.append(_reader_thread().submit(self._fetch, plan[j], fds, prime[j]))
-                    yield from self._check_run(key, plan[k], ahead.popleft().result())
+                    yield from self._check_run(key, plan[k], ahead.popleft().result(), tag)
             else:
                 def one(k: int) -> list[Result]:
-                    return self._check_run(key, plan[k], self._fetch(plan[k], fds, prime[k]))
+                    return self._check_run(key, plan[k], self._fetch(plan[k], fds, prime[k]), tag)
 
                 for got in executor.map(one, range(len(plan))):
                     yield from got
@@ -112,23 +114,25 @@ class PackReader:
             for fd in fds.values():
                 self.index.fs.close(fd)
 
-    def read_layers(self, key: str, indices: Iterable[int], layers: range) -> Iterator[Result]:
+    def read_layers(self, key: str, indices: Iterable[int], layers: range, tag: str | None = None
+                    ) -> Iterator[Result]:
         """Layers ``layers`` (a non-empty step-1 range; ValueError otherwise) of chunks of one
         context, in the order asked: ``(index, those layers or the chunk's error)``.
 
         One read per chunk of just those layers' stored bytes (the headers were parsed when the
         context was scanned or written), each layer checked against its own crc32."""
+        tag = tag or self.fingerprint
         fds: dict[str, int] = {}
         try:
             for i in indices:
                 try:
-                    rec, path = self._locate(key, i)
+                    rec, path = self._locate(key, i, tag)
                     _check_layers(rec, layers)
                     fd = fds.get(path)
                     if fd is None:
                         fd = fds[path] = self._open(rec, path)
                 except ChunkNotFoundError:  # gone since the lookup (compaction) or never there
-                    yield i, self._one(key, i, layers)
+                    yield i, self._one(key, i, tag, layers)
                     continue
                 except StorageError as e:
                     yield i, e
@@ -141,13 +145,13 @@ class PackReader:
             for fd in fds.values():
                 self.index.fs.close(fd)
 
-    def prefetch(self, key: str, indices: Iterable[int]) -> int:
+    def prefetch(self, key: str, indices: Iterable[int], tag: str | None = None) -> int:
         """Ask the kernel to start reading these chunks' records (posix_fadvise WILLNEED) and
         return; missing chunks are skipped. Returns the number of chunks advised."""
         fds: dict[str, int] = {}
         n = 0
         try:
-            for path, items, _ in self._plan(key, list(indices)):
+            for path, items, _ in self._plan(key, list(indices), tag or self.fingerprint):
                 if path is None:
                     continue
                 try:
@@ -165,14 +169,15 @@ class PackReader:
                 self.index.fs.close(fd)
 
     def check(self, key: str, index: int, expected_checksum: str | None = None, *,
-              deep: bool = True) -> ChunkMeta:
+              deep: bool = True, tag: str | None = None) -> ChunkMeta:
         """Verify one chunk and return its meta: its pack's size and its header bytes on disk, and
         with ``deep`` every payload byte.
 
         Raises ChunkNotFoundError, CorruptChunkError (also when ``expected_checksum`` differs),
         ChunkVersionError or FingerprintMismatchError.
         """
-        rec, path = self._locate(key, index)
+        tag = tag or self.fingerprint
+        rec, path = self._locate(key, index, tag)
         fd = self._open(rec, path)
         try:
             head = self.index.pread(fd, rec.base, rec.offset)
@@ -186,16 +191,16 @@ class PackReader:
             raise CorruptChunkError(f"chunk {index} of {key} has checksum {meta.checksum}, "
                                     f"expected {expected_checksum}")
         if deep:
-            self._read_one(key, index)
+            self._read_one(key, index, tag)
         return meta
 
     # -- one chunk -----------------------------------------------------------------------------------
 
-    def _read_one(self, key: str, index: int, layers: range | None = None) -> EncodedChunk:
+    def _read_one(self, key: str, index: int, tag: str, layers: range | None = None) -> EncodedChunk:
         """Layers ``layers`` (default all) of one chunk, checked; looks again once when a
         compaction replaced its pack since the lookup."""
         for attempt in (0, 1):
-            rec, path = self._locate(key, index)
+            rec, path = self._locate(key, index, tag)
             if layers is not None:
                 _check_layers(rec, layers)
             try:
@@ -212,23 +217,24 @@ class PackReader:
                 self.index.fs.close(fd)
         raise AssertionError("unreachable")
 
-    def _one(self, key: str, index: int, layers: range | None = None) -> EncodedChunk | StorageError:
+    def _one(self, key: str, index: int, tag: str, layers: range | None = None
+             ) -> EncodedChunk | StorageError:
         try:
-            return self._read_one(key, index, layers)
+            return self._read_one(key, index, tag, layers)
         except StorageError as e:
             return e
 
-    def _locate(self, key: str, index: int) -> tuple[Record, str]:
-        """(current record, pack path) of a chunk, checked for the model fingerprint."""
+    def _locate(self, key: str, index: int, tag: str) -> tuple[Record, str]:
+        """(current record, pack path) of a chunk, checked for the tag it must carry."""
         index = check_index(index)
         with self.index.lock:
             c = self.index.context(key)
             rec = self.index.lookup(c, index, key)
             path = c.dir + os.sep + rec.pack.name
-        if rec.header.fingerprint != self.fingerprint:
+        if rec.header.fingerprint != tag:
             raise FingerprintMismatchError(
                 f"chunk {index} of {key} was written for model {rec.header.fingerprint[:64]!r}, "
-                f"not {self.fingerprint!r}")
+                f"not {tag!r}")
         return rec, path
 
     def _open(self, rec: Record, path: str) -> int:
@@ -287,13 +293,13 @@ class PackReader:
 
     # -- runs of whole chunks ------------------------------------------------------------------------
 
-    def _plan(self, key: str, indices: list[int]) -> list[Run]:
+    def _plan(self, key: str, indices: list[int], tag: str) -> list[Run]:
         """Cut the requested chunks, in order, into runs of records that lie close together in one
         pack."""
         found: list[tuple[int, Record | None, str | None, StorageError | None]] = []
         for i in indices:
             try:
-                rec, path = self._locate(key, i)
+                rec, path = self._locate(key, i, tag)
                 found.append((i, rec, path, None))
             except StorageError as e:
                 found.append((i, None, None, e))
@@ -349,11 +355,12 @@ class PackReader:
         except StorageError as e:
             return e
 
-    def _check_run(self, key: str, run: Run, buf: np.ndarray | StorageError | None) -> list[Result]:
+    def _check_run(self, key: str, run: Run, buf: np.ndarray | StorageError | None, tag: str
+                   ) -> list[Result]:
         """The chunks of a fetched run, each checked on its own."""
         items = run[1]
         if buf is None:  # a compaction replaced the pack since the plan: one by one
-            return [(i, self._one(key, i)) for i, _ in items]
+            return [(i, self._one(key, i, tag)) for i, _ in items]
         if isinstance(buf, StorageError):
             return [(i, buf) for i, _ in items]
         first = items[0][1]

@@ -71,8 +71,10 @@ class PackWriter:
         self.lock = threading.Lock()  # one write, delete or compaction at a time
         self.compactions = 0  # contexts compacted by this writer
 
-    def write_many(self, key: str, items: Sequence[tuple[int, EncodedChunk, int]]) -> list[ChunkMeta]:
-        """Write chunks ``(index, encoded, token_start)`` of one context: one pack per run of
+    def write_many(self, key: str, items: Sequence[tuple[int, EncodedChunk, int]], tag: str | None = None
+                   ) -> list[ChunkMeta]:
+        """Write chunks ``(index, encoded, token_start)`` of one context, each record carrying ``tag``
+        (default: the writer's fingerprint; readers refuse another): one pack per run of
         consecutive indices (cut at ``pack_bytes``), each crash-safe. Returns a meta per item, in
         order. Each pack replaces the current records of its chunks atomically; a failure leaves the
         packs written before it in place."""
@@ -91,7 +93,7 @@ class PackWriter:
             with self.index.lock:
                 c = self.index.context(key, create=True)
             for run in _runs(sorted(by_index)):
-                built = [self._build(key, i, *by_index[i]) for i in run]
+                built = [self._build(key, i, *by_index[i], tag or self.fingerprint) for i in run]
                 start, size = 0, 0
                 for k, (head, parts, _, _) in enumerate(built):  # a new pack past pack_bytes
                     n = aligned(len(head) + sum(len(x) for x in parts))
@@ -160,12 +162,12 @@ class PackWriter:
 
     # -- one pack ------------------------------------------------------------------------------------
 
-    def _build(self, key: str, index: int, enc: EncodedChunk, token_start: int
+    def _build(self, key: str, index: int, enc: EncodedChunk, token_start: int, tag: str
                ) -> tuple[bytes, list, fmt.ChunkHeader, int]:
         """(prefix + header + padding, payload parts, header, header crc) of one record."""
         parts, lens, sums, psum = fmt.store_records(enc, self.index.config.lz4_level)
         header = fmt.ChunkHeader(
-            self.fingerprint, key, index, token_start, token_start + enc.shape[3], enc.level,
+            tag, key, index, token_start, token_start + enc.shape[3], enc.level,
             enc.version, enc.dtype, enc.params, tuple(enc.shape), enc.record_nbytes, tuple(lens),
             tuple(sums), psum)
         head, crc = fmt.pack(header)

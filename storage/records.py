@@ -43,6 +43,7 @@ class ContextSummary:
     n_tokens: int  # tokens so far (tokens)
     created: float  # clock seconds
     last_used: float  # clock seconds
+    adapter: str = ""  # key (name@digest) of the LoRA adapter its K/V is computed under; "" for none
 
 
 @dataclass(frozen=True, slots=True)

@@ -322,7 +322,7 @@ class Registry:
     def list_contexts(self, app: str) -> list[ContextSummary]:
         """The app's contexts, oldest first."""
         with self._lock:
-            rows = self._q("SELECT id, app, length(tokens) / 4, created, last_used FROM contexts "
+            rows = self._q("SELECT id, app, length(tokens) / 4, created, last_used, adapter FROM contexts "
                            "WHERE app=? ORDER BY created, id", (app,)).fetchall()
         return [ContextSummary(*r) for r in rows]
 
@@ -536,7 +536,8 @@ class Registry:
 
     # -- consistency with the chunk files ------------------------------------------------------------
 
-    def verify(self, store: ChunkStore, *, deep: bool = True) -> VerifyReport:
+    def verify(self, store: ChunkStore, *, deep: bool = True,
+               tag_of: Callable[[str], str | None] | None = None) -> VerifyReport:
         """Check every row against its chunk file and repair the rows (one transaction).
 
         - the file is missing or fails its checks (``deep``: every payload byte is checksummed;
@@ -545,6 +546,9 @@ class Registry:
         - a valid file for the row's chunk with another checksum, or a valid file for a row that
           names none, is newer than the row (files are written before rows): the row adopts it;
         - files that no row names are listed in ``orphans`` (not deleted here).
+
+        ``tag_of(context id)`` is the tag its records must carry (None: the store's fingerprint); a
+        record with another tag counts as corrupt.
         """
         report = VerifyReport()
         ct = self.config.chunk_tokens
@@ -555,7 +559,7 @@ class Registry:
                 state = ChunkState(state)
                 name = store.file_name(ctx, idx)
                 try:
-                    meta = store.check(ctx, idx, deep=deep)
+                    meta = store.check(ctx, idx, deep=deep, tag=tag_of(ctx) if tag_of else None)
                 except ChunkNotFoundError:
                     if state.on_disk:
                         report.checked += 1

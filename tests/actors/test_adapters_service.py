@@ -83,6 +83,14 @@ def test_adapted_contexts_answer_as_the_engine_does_under_memory_pressure_and_re
         assert [a["name"] for a in svc.list_adapters()] == ["poet", "tutor"]
         for name, ctx in ctxs.items():
             assert svc.call(token, ctx, PROMPTS[2], max_tokens=8).token_ids == reference[name][2], name
+        svc.parts.governor.drain()
+        io = svc.parts.io
+        written = {name: io.store.indices(ctx) for name, ctx in ctxs.items()}
+        assert written["tutor"], written  # the default policy wrote the contexts switched away from
+        tutor = next(a["key"] for a in svc.list_adapters() if a["name"] == "tutor")
+        for i in written["tutor"]:  # the records name the adapter; read as the base model's, they fail
+            assert io.store.check(ctxs["tutor"], i, deep=False, tag=io.tag(tutor)).header.fingerprint == io.tag(tutor)
+        assert io.read(ctxs["tutor"], written["tutor"])[1] == {i: "chunk_fingerprint" for i in written["tutor"]}
         svc.delete_ctx(token, ctxs["poet"])
         svc.remove_adapter("poet")
         assert [a["name"] for a in svc.list_adapters()] == ["tutor"]

@@ -67,7 +67,7 @@ class FakeIO:
         self.in_flight: list[FakeWrite] = []
         self.waited: list[tuple[str, list[int]]] = []
 
-    def write_async(self, ctx, todo):
+    def write_async(self, ctx, todo, adapter=""):
         w = FakeWrite(self, ctx, todo)
         self.in_flight.append(w)
         return w
@@ -78,7 +78,7 @@ class FakeIO:
                 w.finish()
         self.in_flight = [w for w in self.in_flight if not w.done()]
 
-    def write(self, ctx, todo):
+    def write(self, ctx, todo, adapter=""):
         out = []
         for i, h, _start in todo:
             self.files[(ctx, i)] = h

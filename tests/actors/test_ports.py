@@ -100,6 +100,29 @@ def test_chunks_written_under_one_key_are_not_read_under_another(tmp_path):
     assert got == {} and failed == {0: "chunk_fingerprint"}
 
 
+def test_chunk_records_carry_the_adapter_they_were_computed_under(tmp_path):
+    """A context's records name its LoRA adapter: every way of reading them under another adapter
+    (or none) fails the chunk, so it is recomputed."""
+    from storage import codecs
+
+    kv = np.random.default_rng(0).standard_normal((2, 2, 1, 16, 8)).astype(np.float32)
+    enc = codecs.encode(kv, "raw", dtype="float32")
+    io = KVSwapIO(str(tmp_path / "chunks"), KVKey("m", "int4"))
+    io.write("c" * 32, [(0, enc, 0), (1, enc, 16)], adapter="a@1")
+    assert io.store.check("c" * 32, 0, tag=KVKey("m", "int4", "a@1").record_tag()).nbytes > 0
+    got, failed = io.read("c" * 32, [0, 1], adapter="a@1")
+    assert np.array_equal(codecs.decode(got[1]), kv) and not failed
+    for adapter in ("", "a@2", "b@1"):
+        got, failed = io.read("c" * 32, [0, 1], adapter)
+        assert got == {} and failed == {0: "chunk_fingerprint", 1: "chunk_fingerprint"}
+        (batch,) = io.read_batches("c" * 32, [0, 1], 2, adapter)
+        assert batch.chunks == [] and batch.failed == failed
+        (group,) = io.read_groups("c" * 32, [0, 1], [range(2)], adapter)
+        assert group.chunks == {} and group.failed == failed
+    (group,) = io.read_groups("c" * 32, [0, 1], [range(2)], "a@1")
+    assert sorted(group.chunks) == [0, 1] and not group.failed
+
+
 def test_port_methods_have_docstrings():
     for proto in (ports.GovernorPort, ports.SwapIOPort, ports.RecomputePort, ports.ExecutorPort):
         for name in _protocol_methods(proto):

@@ -352,6 +352,22 @@ def test_verify_adopts_a_file_newer_than_its_row(reg, store):
                                                          first.name)
 
 
+def test_verify_checks_each_contexts_records_under_its_own_tag(reg, store):
+    """Records carry the tag of what their context is computed under (an adapter's); verify reads
+    them under the tag `tag_of` names, and a record under another counts as corrupt."""
+    reg.create_app("a")
+    ctx, other = reg.create_context("a", adapter="x@1"), reg.create_context("a")
+    for c in (ctx, other):
+        reg.append_tokens(c, range(16), "x")
+        meta = store.write_many(c, [(0, codecs.encode(synthetic_kv((2, 2, 1, 16, 8)), "q8"), 0)],
+                                tag=FP + ";a=x@1")[0]
+        reg.upsert_chunk(c, 0, state="swapped", level="q8", file=meta.name, checksum=meta.checksum,
+                         nbytes=meta.nbytes)
+    report = reg.verify(store, tag_of=lambda c: FP + ";a=x@1" if c == ctx else None)
+    assert report.corrupt == [(other, 0, "chunk_fingerprint")] and report.checked == 2
+    assert reg.chunk(ctx, 0).state is ChunkState.SWAPPED and reg.chunk(other, 0).state is ChunkState.MISSING
+
+
 def test_save_state_commits_tokens_and_state_together(tmp_path):
     from storage.registry import Registry
 
