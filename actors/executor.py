@@ -104,6 +104,10 @@ class InProcessRestorer:
         self.pool = (ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
                      if threads > 1 else None)
 
+    def forget_adapter(self, name: str) -> bool:
+        """Nothing to drop: this restorer uses the executor's own adapters."""
+        return False
+
     def restore(self, ws: KVCache, plan: CallPlan) -> tuple[RestoreStats, list[tuple[int, Any, int]]]:
         """Fill `ws`; returns what was done and the chunks read whole from disk (index, enc, bytes)."""
         from actors.swapio import layer_groups
@@ -245,6 +249,10 @@ class ModelExecutor:
             self.gov.remove_adapter(name)
             if name in self.adapters:
                 self.adapters.remove(name)
+            try:  # a restorer with adapters of its own (the recompute worker on Ray) drops its copy
+                self.restorer.forget_adapter(name)
+            except Exception:  # noqa: BLE001 - the removal stands; the copy goes with the worker's restart
+                logging.getLogger(__name__).exception("the restorer kept adapter %r", name)
 
     def list_adapters(self) -> list[dict]:
         return [adapter_info(self.adapters.get(n)) for n in self.adapters.names()]

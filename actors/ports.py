@@ -143,6 +143,9 @@ class RecomputePort(Protocol):
     def restore(self, req: RestoreRequest) -> RestoreStats:
         """Fill the executor's working set for `req`."""
 
+    def forget_adapter(self, name: str) -> bool:
+        """Unload the LoRA adapter `name` if a restore loaded it (the node removed it); whether it was."""
+
 
 class ExecutorPort(Protocol):
     """The model executor: the working set and the calls."""

@@ -48,6 +48,10 @@ class RayRestorer:
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
 
+    def forget_adapter(self, name: str) -> bool:
+        """The recompute worker unloads `name` (loaded there by the restores that named it)."""
+        return self.worker.forget_adapter(name)
+
     def _load_nbytes(self, plan) -> int:
         return sum(codecs.stored_nbytes(level, self.chunk_shape, self.storage_name) for _, level, _ in plan.load)
 

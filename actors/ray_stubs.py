@@ -277,6 +277,9 @@ class RecomputeStub:
     def restore(self, req: RestoreRequest) -> RestoreStats:
         return retry.call(self.handle.restore, req)
 
+    def forget_adapter(self, name: str) -> bool:
+        return retry.call(self.handle.forget_adapter, name)
+
 
 class ExecutorStub:
     """`ExecutorPort` over the executor actor; `call` returns its streaming generator (object refs of

@@ -130,6 +130,17 @@ class RecomputeWorker:
             self.ws = KVCache.wrap(self.model.cfg, buf, chunk_tokens=self.chunk_tokens, dtype=self.model.dtype)
         return self.ws
 
+    def forget_adapter(self, name: str) -> bool:
+        """Unload adapter `name` if a restore loaded it here (the executor removed it from the node)."""
+        if name not in self.adapters:
+            return False
+        self.adapters.remove(name)
+        return True
+
+    def loaded_adapters(self) -> list[str]:
+        """Names of the adapters this worker holds."""
+        return self.adapters.names()
+
     def restore(self, req: RestoreRequest) -> RestoreStats:
         """Run `req` (`actors.restore.restore`) on the executor's working set, consuming the IO
         worker's stream of layer groups as it reads them."""

@@ -154,6 +154,8 @@ def test_on_ray_the_recompute_worker_recomputes_under_the_contexts_adapter(ray_c
                                                                            tmp_path):
     """The same on the actors: the kill policy makes every switch recompute in the recompute worker,
     which loads the adapter the restore request names."""
+    import ray
+
     from actors.ray_service import wire_ray
 
     svc = wire_ray(config(tmp_path, adapter_root, policy="lmk", pool_bytes=1 << 20), prefix="t-lora")
@@ -169,5 +171,10 @@ def test_on_ray_the_recompute_worker_recomputes_under_the_contexts_adapter(ray_c
                 assert got.token_ids == reference[name][turn], (name, turn)
                 recomputed += got.restore.recomputed if name else 0
         assert recomputed > 0
+        worker = svc.parts.recompute  # it loaded each adapter a restore named
+        assert sorted(ray.get(worker.loaded_adapters.remote())) == ["poet", "tutor"]
+        svc.delete_ctx(token, ctxs["poet"])
+        svc.remove_adapter("poet")  # and unloads it when the node removes it
+        assert ray.get(worker.loaded_adapters.remote()) == ["tutor"]
     finally:
         svc.close()
