@@ -319,21 +319,31 @@ class ContextEngine:
         ids = self.tok.encode_document(prompt)
         if len(ids) + 1 > self.tail_room():
             raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit the context limit of {self.limit} tokens")
-        ctx = LiveContext(
+        return self.generate(self.throwaway(ids, sp.max_tokens, adapter), sp, progress)
+
+    def throwaway(self, ids: list[int], room: int = 0, adapter: Adapter | None = None) -> LiveContext:
+        """A context of no conversation holding `ids`, none prefilled yet, with slots for `room` more
+        tokens; the caller may fill its first slots with K/V computed before (`engine.rag`)."""
+        return LiveContext(
             id="",
             system_prompt=None,
             token_ids=list(ids),
             conv=Conversation(),
-            cache=self.model.new_cache(round_up(len(ids) + sp.max_tokens, self.cfg.chunk_tokens),
-                                       self.cfg.kv_format),
+            cache=self.model.new_cache(round_up(len(ids) + room, self.cfg.chunk_tokens), self.cfg.kv_format),
             density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
             adapter=adapter,
         )
 
+    def generate(self, ctx: LiveContext, sp: SamplingParams, progress: bool = False) -> CallStream:
+        """Prefill what `ctx` holds past its computed slots and decode a reply (no turn is recorded)."""
+        n_ids = len(ctx.token_ids)
+        if len(ctx.density) < ctx.cache.length:  # slots filled with K/V computed before: no densities
+            ctx.density.skip(ctx.cache.length - len(ctx.density))
+
         def run():
             t0 = time.perf_counter()
             out, text, finish, ttft, seen, prefilled = yield from self._decode(ctx, sp, t0, progress)
-            return CallResult(text, out, finish, len(ids), prefilled, seen - prefilled, len(out), ttft,
+            return CallResult(text, out, finish, n_ids, prefilled, seen - prefilled, len(out), ttft,
                               time.perf_counter() - t0, context_tokens=seen, dropped_tokens=ctx.dropped_tokens)
 
         return CallStream(run())

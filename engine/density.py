@@ -37,6 +37,11 @@ class DensityTracker:
         self.rows[:start] += n_rows
         self.rows[start:] += np.arange(n_rows, 0, -1)  # row r sees tokens <= r
 
+    def skip(self, n_tokens: int) -> None:
+        """Track `n_tokens` more tokens whose K/V came from elsewhere (no pass seen: density 0)."""
+        self.sums = np.concatenate((self.sums, np.zeros(n_tokens)))
+        self.rows = np.concatenate((self.rows, np.zeros(n_tokens, dtype=np.int64)))
+
     def token_density(self) -> np.ndarray:
         rows = np.maximum(self.rows, 1)
         return self.sums / rows / self.norm
