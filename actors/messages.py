@@ -247,3 +247,66 @@ class WithReleases:
     """`PoolRef.key`s of chunks no longer resident."""
     epoch: str
     """Random per governor process."""
+
+
+# ---- RAG (PerCache; actors.rag) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpan:
+    """A node of the K/V tree as a RAG call moves it: the K/V of prompt slots `[start, end)`, kept as
+    chunk records (16 tokens each, the last partial, always raw) under the node's own store key."""
+
+    key: str
+    """The node's chunk-store key (`actors.rag.node_key`: app, KV key and retrieval path)."""
+    start: int
+    """Its first slot in the prompt."""
+    end: int
+    """One past its last slot."""
+
+
+@dataclass(slots=True)
+class RagCall:
+    """What the executor runs for one RAG prompt: the K/V of `load` read into the first slots, the rest
+    prefilled, a reply decoded, and the K/V of `save` written as new nodes."""
+
+    app: str
+    """The app the prompt belongs to (its nodes are its own)."""
+    adapter: str
+    """Key of the LoRA adapter computed under, "" for none (the records carry it)."""
+    ids: list[int]
+    """The prompt's token ids (`engine.rag.RagTemplate.build`)."""
+    load: list[NodeSpan]
+    """Cached nodes, in order, tiling `[0, load[-1].end)`: the head first, then the matched passages."""
+    save: list[NodeSpan]
+    """Nodes to write after the call (slots past `load`), in order."""
+    params: dict
+    """Sampling parameters (`engine.sampling.SamplingParams`'s fields)."""
+    decode: bool = True
+    """False: prefill only (populating the K/V tree ahead of a predicted query; no reply)."""
+
+
+@dataclass(slots=True)
+class RagOutcome:
+    """What a `RagCall` did."""
+
+    text: str
+    """The reply ("" when not decoded)."""
+    token_ids: list[int]
+    """Its token ids."""
+    finish_reason: str
+    """As `CallOutcome.finish_reason`; "" when not decoded."""
+    reused_tokens: int
+    """Prompt tokens whose K/V came from cached nodes."""
+    loaded: list[str]
+    """Keys of the nodes read (a node that failed to read, and every node after it, is recomputed)."""
+    saved: dict[str, int]
+    """Key -> bytes written of each node saved (the failed loads among them)."""
+    load_s: float
+    """Seconds reading and placing cached K/V."""
+    prefill_s: float
+    """Seconds prefilling the rest of the prompt (to the first token)."""
+    decode_s: float
+    """Seconds decoding after the first token."""
+    save_s: float
+    """Seconds encoding and writing new nodes."""

@@ -23,11 +23,12 @@ from actors.messages import CallInterruptedError, CallPlan, CommitReply, PoolRef
 from storage import codecs
 
 
-def resolve_chunks(handles: list[PoolRef]) -> list[codecs.EncodedChunk]:
-    """The chunks behind resident handles, in order; each object they are in is fetched once."""
-    refs = list({h.ref: None for h in handles})
+def resolve_chunks(handles: list[PoolRef | codecs.EncodedChunk]) -> list[codecs.EncodedChunk]:
+    """The chunks behind resident handles, in order; each object they are in is fetched once. A chunk
+    given by value (a RAG node's record, `actors.rag.save_node`) is itself."""
+    refs = list({h.ref: None for h in handles if isinstance(h, PoolRef)})
     objects = dict(zip(refs, ray.get(refs)))
-    return [objects[h.ref][h.index] for h in handles]
+    return [h if isinstance(h, codecs.EncodedChunk) else objects[h.ref][h.index] for h in handles]
 
 
 def resolve_call_item(ref):
