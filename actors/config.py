@@ -27,6 +27,28 @@ class Tuning:
             raise ValueError(f"object_chunks must be >= 1, got {self.object_chunks!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class RagConfig:
+    """The RAG cache's knobs (`ServiceConfig.rag`; actors.ragfront)."""
+
+    passage_tokens: int = 128
+    """Most tokens of one knowledge chunk (documents are split on paragraphs and sentences)."""
+    k: int = 5
+    """Passages retrieved per query."""
+    tau_query: float = 0.85
+    """Cosine similarity at or above which a stored question's answer is reused (PerCache §4.2.1)."""
+    qa_bank: bool = True
+    """Answer similar questions from the QA bank (off: the RAGCache-like and Naive baselines)."""
+    kv_tree: bool = True
+    """Reuse passages' K/V from the K/V tree (off: the MeanCache-like and Naive baselines)."""
+    tree_cap_bytes: int = 512 << 20
+    """Bytes of node K/V kept per app (LFU eviction past it, PerCache §4.1.1)."""
+    qa_cap_bytes: int = 16 << 20
+    """Bytes of QA entries kept per app and collection."""
+    max_tokens: int = 128
+    """Default reply length."""
+
+
 @dataclass(slots=True)
 class ServiceConfig:
     data_dir: str = field(default_factory=lambda: os.environ.get("LLMAAS_DATA_DIR", "./data"))
@@ -72,6 +94,8 @@ class ServiceConfig:
     leading out of it is refused. Empty: `<data_dir>/adapters`."""
     tuning: Tuning = field(default_factory=Tuning)
     """Speed-only optimisations, each switchable (`Tuning`)."""
+    rag: RagConfig = field(default_factory=RagConfig)
+    """The RAG cache (the query predictor's): retrieval depth, QA bank and K/V tree, their caps."""
     profile: str = ""
     """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
     model and throttle, then cached (`llmaas profile` re-runs it)."""
@@ -79,6 +103,8 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tuning, dict):  # from a config file or a Serve application's arguments
             self.tuning = tuning_from(self.tuning)
+        if isinstance(self.rag, dict):
+            self.rag = RagConfig(**self.rag)
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
         if self.prefill_budget_bytes < 0:
             raise ValueError("prefill_budget_bytes must be >= 0 (0: no budget)")

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from actors.admission import admit_prefill, apply_plan, prefill_shape
-from actors.messages import CallOutcome, CallPlan, RestoreRequest, RestoreStats
+from actors.messages import CallOutcome, CallPlan, RagCall, RagOutcome, RestoreRequest, RestoreStats
 from actors.recompute import stage_seconds
 from actors.restore import host_view, restore
 from engine.chat import Conversation, Turn
@@ -168,13 +168,16 @@ class ModelExecutor:
         overlap_admit: bool = False,
         adapters: AdapterSet | None = None,
         prefill_budget: int = 0,
+        io=None,
     ) -> None:
         """`background`: write back after the reply on a thread of its own. `overlap_admit`: a call
         waits for the previous write-back only until it has encoded its chunks from the working set,
         unless both are on the same context (`ServiceConfig.overlap_admit`); the governor port must
         then take calls from two threads at once (the Ray stub's actor serialises them). `adapters`:
         the LoRA adapters this process has loaded (engine.lora), shared with an in-process restorer.
-        `prefill_budget`: bytes a call's prefill may take (`ServiceConfig.prefill_budget_bytes`, 0: none)."""
+        `prefill_budget`: bytes a call's prefill may take (`ServiceConfig.prefill_budget_bytes`, 0: none).
+        `io`: the swap/IO port RAG calls read and write their nodes through."""
+        self.io = io
         self.engine = engine
         self.model = engine.model
         self.adapters = adapters or AdapterSet(None, engine.model.cfg)
@@ -319,6 +322,16 @@ class ModelExecutor:
         """`call_stateless` as the port has it: text deltas, then the `CallOutcome` as the last item."""
         outcome = yield from self.call_stateless(system_prompt, history, prompt, **params)
         yield outcome
+
+    def rag_call(self, call: RagCall) -> RagOutcome:
+        """A RAG prompt (`actors.rag.run_rag_call`) in the working set, which it takes as a call on no
+        context does (the next call restores its context); its nodes go through the IO worker."""
+        from actors.rag import run_rag_call
+
+        with self._lock:
+            self.flush()
+            self._last = None
+            return run_rag_call(self.engine, self.io, call, self.adapters.by_key(call.adapter), cache=self.ws)
 
     def flush(self) -> None:
         """Wait for the last call's write-back. Its failure is the service's business, not the next

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
-from actors.messages import CallOutcome, CallPlan, CommitReply, RestoreRequest, RestoreStats
+from actors.messages import CallOutcome, CallPlan, CommitReply, RagCall, RagOutcome, RestoreRequest, RestoreStats
 
 
 class GovernorPort(Protocol):
@@ -171,6 +171,10 @@ class ExecutorPort(Protocol):
                          params: dict) -> Iterator[Any]:
         """`stream` on no context: nothing stored, locked or counted against the app's contexts."""
 
+    def rag_call(self, call: RagCall) -> RagOutcome:
+        """Run a RAG prompt in the working set from cached K/V nodes (`actors.rag.run_rag_call`); like
+        a call on no context, nothing of a context is stored."""
+
     def forget(self, ctx: str) -> None:
         """The context is being deleted: finish its write-back and drop it from the working set."""
 
@@ -181,4 +185,34 @@ class ExecutorPort(Protocol):
         """Return once the executor takes calls (after a restart on Ray)."""
 
 
-__all__ = ["CallOutcome", "ExecutorPort", "GovernorPort", "RecomputePort", "SwapIOPort"]
+class PredictorPort(Protocol):
+    """The query predictor: the node's RAG cache (knowledge bank, QA bank, K/V tree; `actors.predictor`).
+    Every method takes the app; ids of another app's collections and documents are not found."""
+
+    def create_collection(self, app: str, name: str) -> str:
+        """A new, empty collection; its id."""
+
+    def collections(self, app: str) -> list[dict]:
+        """The app's collections (id, name, documents, chunks, created)."""
+
+    def delete_collection(self, app: str, collection: str) -> None:
+        """Delete a collection, its documents, and the nodes and answers that came from them."""
+
+    def add_document(self, app: str, collection: str, content: str, name: str = "", kind: str = "text") -> str:
+        """Split, embed and store a document (`text`, `markdown` or `html`); its id (the same id again
+        for the same text)."""
+
+    def documents(self, app: str, collection: str) -> list[dict]:
+        """The collection's documents (id, name, kind, bytes, chunks, created)."""
+
+    def delete_document(self, app: str, document: str) -> int:
+        """Delete a document with the nodes and answers that came from it; its chunks deleted."""
+
+    def query(self, app: str, collection: str, question: str, params: dict) -> Any:
+        """Answer a question over a collection (`actors.ragfront.RagAnswer`)."""
+
+    def embed(self, texts: list[str]) -> Any:
+        """Unit embedding rows of `texts` (numpy float32 `[n, d]`)."""
+
+
+__all__ = ["CallOutcome", "ExecutorPort", "GovernorPort", "PredictorPort", "RecomputePort", "SwapIOPort"]

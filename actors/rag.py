@@ -65,17 +65,18 @@ def load_node(io, node: NodeSpan, adapter: str) -> np.ndarray | None:
     return np.concatenate(parts, axis=3)
 
 
-def run_rag_call(engine, io, call: RagCall, adapter=None) -> RagOutcome:
+def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None) -> RagOutcome:
     """The executor's side of a RAG call on `engine` (`engine.context.ContextEngine`): read the cached
     nodes into the first slots of a throwaway working set (stopping at the first that fails), prefill
     the rest, decode, then write the new nodes (and those that failed). `adapter`: the loaded LoRA
-    adapter named by `call.adapter` (`engine.lora.Adapter`), None for the base model."""
+    adapter named by `call.adapter` (`engine.lora.Adapter`), None for the base model. `cache`: the
+    working set to compute in (the executor's), a new one when None."""
     from engine.rag import put_span, span_kv
     from engine.sampling import SamplingParams
 
     sp = SamplingParams(**(call.params if call.decode else {**call.params, "max_tokens": 1}))
     t0 = time.perf_counter()
-    ctx = engine.throwaway(call.ids, sp.max_tokens, adapter)
+    ctx = engine.throwaway(call.ids, sp.max_tokens, adapter, cache)
     loaded: list[str] = []
     for node in call.load:
         kv = load_node(io, node, call.adapter)

@@ -37,6 +37,7 @@ from actors.admission import streamable_working_set
 from actors.config import ServiceConfig, Tuning, private_files
 from actors.service import Components
 from actors.messages import PoolRef, WithReleases
+from actors.predictor import QueryPredictor
 from actors.ray_restore import RayRestorer, per_ref_seconds
 from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
 from actors.recompute import FileSegment, RecomputeWorker, shared_working_set, working_set_nbytes
@@ -321,6 +322,22 @@ class RecomputeActor(RecomputeWorker, Health):
     """The recompute worker actor: the plain worker (`actors.recompute.RecomputeWorker`) and the probe."""
 
 
+class PredictorActor(QueryPredictor, Health):
+    """The query predictor actor (the RAG cache, `actors.predictor.QueryPredictor`): no CPU of its own and
+    one torch thread for the embedding model; the model runs in the executor, through its port."""
+
+    def __init__(self, config: ServiceConfig, model_dir: str, key, executor_handle, io_handle) -> None:
+        import torch
+
+        from actors.ray_stubs import ExecutorStub
+        from engine.chat import ChatTokenizer
+
+        torch.set_num_threads(1)
+        private_files()
+        super().__init__(config.data_dir, ChatTokenizer(model_dir), ExecutorStub(executor_handle),
+                         SwapIOStub(io_handle).delete_context, key, config.rag)
+
+
 class ExecutorActor(Health):
     def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
                  recompute_handle, io_handle, prefix: str, threads: int) -> None:
@@ -371,7 +388,7 @@ class ExecutorActor(Health):
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=refs.put, background=True,  # write-back after the reply
                                 overlap_admit=c.overlap_admit, adapters=adapters,
-                                prefill_budget=c.prefill_budget_bytes)
+                                prefill_budget=c.prefill_budget_bytes, io=restorer.io)
         self.ex.load_recorded_adapters()
         # after a restart: the call in flight died with the old process, whose objects (the resident
         # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
@@ -430,6 +447,16 @@ class ExecutorActor(Health):
             raise
         self._observe(asdict(out))
         yield out
+
+    def rag_call(self, call):
+        """`ModelExecutor.rag_call` (a RAG prompt from cached K/V nodes), with the call metrics."""
+        out = self.ex.rag_call(call)
+        if call.decode:
+            m, p = self.metrics, self.policy
+            m.ttft.labels(p).observe(out.load_s + out.prefill_s)
+            m.tokens.labels(p).inc(len(out.token_ids))
+            m.decode_seconds.labels(p).inc(out.decode_s)
+        return out
 
     def stream_stateless(self, system_prompt: str | None, history: list | None, prompt: str, params: dict):
         """Streaming generator: text deltas (str), then the `CallOutcome` of a call on no context."""

@@ -18,8 +18,8 @@ from typing import Any
 import ray
 
 from actors.config import ServiceConfig, prepare_data_dir
-from actors.ray_actors import HEALTH_GROUPS, ExecutorActor, GovernorActor, IOActor, RecomputeActor
-from actors.ray_stubs import ExecutorStub, GovernorStub, resolve_call_item, resolve_chunks
+from actors.ray_actors import HEALTH_GROUPS, ExecutorActor, GovernorActor, IOActor, PredictorActor, RecomputeActor
+from actors.ray_stubs import ExecutorStub, GovernorStub, PredictorStub, resolve_call_item, resolve_chunks
 from actors.messages import KVKey
 from actors.service import ContextService, components
 
@@ -38,11 +38,12 @@ class RayParts:
     gov: Any
     recompute: Any
     executor: Any
+    predictor: Any
 
     def by_role(self) -> dict[str, Any]:
         """The handles by the name of their role, as errors and readiness replies name them."""
         return {"memory governor": self.gov, "KV swap/IO worker": self.io, "recompute worker": self.recompute,
-                "model executor": self.executor}
+                "model executor": self.executor, "query predictor": self.predictor}
 
 
 def _actor(cls):
@@ -65,8 +66,9 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     parts = components(config, model_cfg, "float32", device="cpu")
     prepare_data_dir(config.data_dir)
     common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
+    key = KVKey(resolved.fingerprint, parts.engine.weights, kv_format=parts.engine.kv_format)
     io = _actor(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
-        str(Path(config.data_dir) / "chunks"), KVKey(resolved.fingerprint, parts.engine.weights, kv_format=parts.engine.kv_format), parts.store,
+        str(Path(config.data_dir) / "chunks"), key, parts.store,
         config.data_dir, tuning=parts.tuning, resolve=resolve_chunks)
     gov = _actor(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
         config, parts, io, resolved.fingerprint)
@@ -77,7 +79,9 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     ray.get([executor.__ray_ready__.remote(), recompute.__ray_ready__.remote()])
     if not config.profile:
         ray.get(gov.set_profile.remote(ray.get(executor.profile.remote(config.read_bytes_per_s))))
-    return _front(RayParts(io, gov, recompute, executor), model_name(resolved), config)
+    predictor = _actor(PredictorActor).options(name=f"{prefix}-predictor", num_cpus=0, **common).remote(
+        config, str(resolved.directory), key, executor, io)
+    return _front(RayParts(io, gov, recompute, executor, predictor), model_name(resolved), config)
 
 
 def _front(parts: RayParts, model_id: str, config: ServiceConfig | None) -> ContextService:
@@ -85,11 +89,12 @@ def _front(parts: RayParts, model_id: str, config: ServiceConfig | None) -> Cont
         try:
             ray.get(parts.executor.close.remote())
         finally:
-            for h in (parts.executor, parts.recompute, parts.gov, parts.io):
+            for h in (parts.predictor, parts.executor, parts.recompute, parts.gov, parts.io):
                 ray.kill(h)
 
     return ContextService(GovernorStub(parts.gov), ExecutorStub(parts.executor), config=config,
-                          resolve=resolve_call_item, parts=parts, close=close, model_id=model_id)
+                          resolve=resolve_call_item, parts=parts, close=close, model_id=model_id,
+                          predictor=PredictorStub(parts.predictor))
 
 
 def model_name(resolved) -> str:

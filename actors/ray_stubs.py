@@ -19,7 +19,8 @@ import ray
 
 from actors import retry
 from actors.config import Tuning
-from actors.messages import CallInterruptedError, CallPlan, CommitReply, PoolRef, RestoreRequest, RestoreStats, WithReleases
+from actors.messages import (CallInterruptedError, CallPlan, CommitReply, PoolRef, RagCall, RagOutcome, RestoreRequest,
+                             RestoreStats, WithReleases)
 from storage import codecs
 
 
@@ -308,6 +309,9 @@ class ExecutorStub:
     def stream_stateless(self, system_prompt: str | None, history: list | None, prompt: str, params: dict):
         return self.handle.stream_stateless.remote(system_prompt, history, prompt, params)
 
+    def rag_call(self, call: RagCall) -> RagOutcome:
+        return retry.call(self.handle.rag_call, call)
+
     def forget(self, ctx: str) -> None:
         retry.call(self.handle.forget, ctx)
 
@@ -316,3 +320,34 @@ class ExecutorStub:
 
     def ready(self) -> None:
         retry.call(self.handle.__ray_ready__)
+
+
+class PredictorStub:
+    """`PredictorPort` over the query predictor actor (the RAG cache)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def create_collection(self, app: str, name: str) -> str:
+        return retry.call(self.handle.create_collection, app, name)
+
+    def collections(self, app: str) -> list[dict]:
+        return retry.call(self.handle.collections, app)
+
+    def delete_collection(self, app: str, collection: str) -> None:
+        retry.call(self.handle.delete_collection, app, collection)
+
+    def add_document(self, app: str, collection: str, content: str, name: str = "", kind: str = "text") -> str:
+        return retry.call(self.handle.add_document, app, collection, content, name, kind)
+
+    def documents(self, app: str, collection: str) -> list[dict]:
+        return retry.call(self.handle.documents, app, collection)
+
+    def delete_document(self, app: str, document: str) -> int:
+        return retry.call(self.handle.delete_document, app, document)
+
+    def query(self, app: str, collection: str, question: str, params: dict):
+        return retry.call(self.handle.query, app, collection, question, params)
+
+    def embed(self, texts: list[str]):
+        return retry.call(self.handle.embed, texts)

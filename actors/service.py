@@ -19,7 +19,7 @@ from typing import Any, Callable
 from actors.config import ServiceConfig, Tuning, prepare_data_dir
 from actors.governor import GovernorConfig
 from actors.messages import CallInterruptedError, CallOutcome, KVKey
-from actors.ports import ExecutorPort, GovernorPort
+from actors.ports import ExecutorPort, GovernorPort, PredictorPort
 from engine.config import EngineConfig, ModelConfig
 from storage import codecs
 from storage.chunkstore import ChunkStoreConfig
@@ -94,11 +94,14 @@ class ContextService:
 
     def __init__(self, governor: GovernorPort, executor: ExecutorPort, *, config: ServiceConfig | None = None,
                  resolve: Callable[[Any], Any] = lambda x: x, parts: Any = None,
-                 close: Callable[[], None] | None = None, model_id: str = "") -> None:
+                 close: Callable[[], None] | None = None, model_id: str = "",
+                 predictor: PredictorPort | None = None) -> None:
         self.config = config
         """What the node was wired from (None when attached to a running one)."""
         self.governor = governor
         self.executor = executor
+        self.predictor = predictor
+        """The RAG cache (None: a node without one)."""
         self.resolve = resolve
         self.parts = parts
         self.model_id = model_id
@@ -148,6 +151,39 @@ class ContextService:
 
     def list_adapters(self) -> list[dict]:
         return self.executor.list_adapters()
+
+    # ---- RAG (the query predictor's port, `actors.predictor`; the token names the app)
+    def _rag(self) -> PredictorPort:
+        if self.predictor is None:
+            raise RuntimeError("this node runs no RAG cache")
+        return self.predictor
+
+    def create_collection(self, token: str, name: str) -> str:
+        return self._rag().create_collection(self.app_of(token), name)
+
+    def collections(self, token: str) -> list[dict]:
+        return self._rag().collections(self.app_of(token))
+
+    def delete_collection(self, token: str, collection: str) -> None:
+        self._rag().delete_collection(self.app_of(token), collection)
+
+    def add_document(self, token: str, collection: str, content: str, name: str = "", kind: str = "text") -> str:
+        return self._rag().add_document(self.app_of(token), collection, content, name, kind)
+
+    def documents(self, token: str, collection: str) -> list[dict]:
+        return self._rag().documents(self.app_of(token), collection)
+
+    def delete_document(self, token: str, document: str) -> int:
+        return self._rag().delete_document(self.app_of(token), document)
+
+    def rag_query(self, token: str, collection: str, question: str, **params):
+        """Answer `question` over the app's `collection` (`actors.ragfront.RagAnswer`): `k`,
+        `tau_query`, `adapter` and sampling parameters."""
+        return self._rag().query(self.app_of(token), collection, question, params)
+
+    def embed(self, token: str, texts: list[str]):
+        self.app_of(token)
+        return self._rag().embed(texts)
 
     # ---- calls
     def stream(self, token: str, ctx: str, prompt: str, request_id: str | None = None, **params):
@@ -214,6 +250,7 @@ class LocalParts:
     governor: Any
     executor: Any
     components: Components
+    predictor: Any = None
 
 
 def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextService:
@@ -222,6 +259,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     from actors.admission import streamable_working_set
     from actors.executor import InProcessRestorer, ModelExecutor
     from actors.governor import MemoryGovernor
+    from actors.predictor import QueryPredictor
     from actors.swapio import KVSwapIO
     from engine.context import ContextEngine
     from engine.lora import AdapterSet
@@ -256,16 +294,18 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     ws = (streamable_working_set(m, engine.limit, config.kv_format, str(root / "ws"))
           if config.prefill_budget_bytes else None)
     executor = ModelExecutor(engine, governor, restorer, adapters=adapters, working_set=ws,
-                             prefill_budget=config.prefill_budget_bytes)
+                             prefill_budget=config.prefill_budget_bytes, io=io)
     executor.load_recorded_adapters()
+    predictor = QueryPredictor(str(root), engine.tok, executor, io.delete_context, io.key, config.rag)
 
     def close() -> None:
         executor.flush()
         governor.drain()
+        predictor.close()
         registry.close()
 
-    return ContextService(governor, executor, config=config, close=close, model_id=fingerprint,
-                          parts=LocalParts(engine, registry, io, governor, executor, parts))
+    return ContextService(governor, executor, config=config, close=close, model_id=fingerprint, predictor=predictor,
+                          parts=LocalParts(engine, registry, io, governor, executor, parts, predictor))
 
 
 def _local_profile(config: ServiceConfig, engine, fingerprint: str):

@@ -321,15 +321,22 @@ class ContextEngine:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens does not fit the context limit of {self.limit} tokens")
         return self.generate(self.throwaway(ids, sp.max_tokens, adapter), sp, progress)
 
-    def throwaway(self, ids: list[int], room: int = 0, adapter: Adapter | None = None) -> LiveContext:
+    def throwaway(self, ids: list[int], room: int = 0, adapter: Adapter | None = None,
+                  cache: KVCache | None = None) -> LiveContext:
         """A context of no conversation holding `ids`, none prefilled yet, with slots for `room` more
-        tokens; the caller may fill its first slots with K/V computed before (`engine.rag`)."""
+        tokens; the caller may fill its first slots with K/V computed before (`engine.rag`). `cache`: a
+        working set to use (emptied) instead of a new one."""
+        if cache is not None:
+            cache.truncate(0)
+            cache.missing = set()
+            cache.ensure_capacity(round_up(len(ids) + room, self.cfg.chunk_tokens))
         return LiveContext(
             id="",
             system_prompt=None,
             token_ids=list(ids),
             conv=Conversation(),
-            cache=self.model.new_cache(round_up(len(ids) + room, self.cfg.chunk_tokens), self.cfg.kv_format),
+            cache=cache if cache is not None else self.model.new_cache(round_up(len(ids) + room, self.cfg.chunk_tokens),
+                                                                       self.cfg.kv_format),
             density=DensityTracker(self.model.cfg.n_heads, self.model.cfg.n_layers),
             adapter=adapter,
         )

@@ -603,13 +603,14 @@ class KnowledgeBank:
 
     # -- search --------------------------------------------------------------------------------------
 
-    def search(self, app: str, collection: str, query: str, k: int = 5) -> list[Hit]:
+    def search(self, app: str, collection: str, query: str, k: int = 5, vector: np.ndarray | None = None) -> list[Hit]:
         """The ``k`` chunks of the collection that best answer ``query``: BM25 and cosine rankings (the
         best ``max(k, candidates)`` of each) fused by reciprocal rank; equal scores by ascending chunk
-        id. A query with no words gets the cosine ranking alone; FTS5 syntax in it is plain text."""
+        id. A query with no words gets the cosine ranking alone; FTS5 syntax in it is plain text.
+        ``vector``: the query's embedding when the caller has it already."""
         if not isinstance(query, str) or not isinstance(k, int) or k < 1:
             raise ValueError(f"search takes a str query and a positive int k, got {type(query).__name__}, {k!r}")
-        q = _unit_rows(self._embed([query]), 1)[0]  # [dim], before the lock
+        q = _unit_rows(self._embed([query]) if vector is None else np.asarray(vector)[None], 1)[0]  # before the lock
         match = fts_query(query)
         n = max(k, self.config.candidates)
         with self._transaction(write=False):

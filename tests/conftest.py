@@ -39,6 +39,14 @@ def hf_model(resolved_model, engine):
     return m.to(engine.model.device).eval()
 
 
+@pytest.fixture(scope="session")
+def embedder():
+    """all-MiniLM-L6-v2 (engine.embed), loaded once per session."""
+    from engine.embed import Embedder
+
+    return Embedder()
+
+
 @pytest.fixture(scope="module")
 def private_model_cache(tmp_path_factory):
     """A model cache of the module's own (`LLMAAS_CACHE_DIR`), for modules that convert checkpoints

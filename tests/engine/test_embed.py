@@ -21,11 +21,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
-
-
 def test_rows_are_unit_norm_float32(embedder):
     v = embedder.embed(TEXTS)
     assert v.shape == (len(TEXTS), 384) and v.dtype == np.float32 and embedder.dim == 384

@@ -1,0 +1,219 @@
+"""The RAG cache of one node (PerCache): retrieval, the QA bank, the K/V tree and their bookkeeping,
+Ray-free. The model runs elsewhere, through `run` (the executor port's `rag_call`); node records are
+deleted through `delete_node` (the IO port's `delete_context`). On Ray the query predictor actor hosts
+it (`actors.ray_actors`); in one process the service does.
+
+A query is embedded once; a stored question at least `tau_query` similar (QA bank) answers at once;
+otherwise the collection is searched (hybrid BM25 + cosine), the prompt assembled from the passages'
+token ids (`engine.rag.RagTemplate`), the longest cached prefix of the retrieved path matched in the
+app's K/V tree (`scheduler.ragtree.KVTree`), and the executor loads those nodes, prefills the rest and
+decodes. New nodes enter the tree (LFU eviction under the app's cap), the answer the QA bank. The
+baselines of PerCache §5.2 are configurations: `RagConfig.qa_bank` and `RagConfig.kv_tree` off or on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from actors.config import RagConfig
+from actors.messages import KVKey, NodeSpan, RagCall, RagOutcome
+from actors.rag import node_key
+from scheduler.ragcache import match_query, plan_qa_eviction, QAEntry
+from scheduler.ragtree import KVTree, plan_tree_eviction
+
+LEVELS = ("qa_bank", "kv_tree", "miss")
+"""What served a reply: a stored answer, cached K/V of at least one passage, or neither."""
+
+
+@dataclass(slots=True)
+class RagAnswer:
+    """A RAG query's reply (the HTTP route's body comes from here)."""
+
+    answer: str
+    """The reply's text."""
+    token_ids: list[int]
+    """Its ids (empty for an answer from the QA bank)."""
+    finish_reason: str
+    """As a call's; `qa_bank` answers say `stop`."""
+    level: str
+    """Which level served it (`LEVELS`)."""
+    sources: list[dict]
+    """`{"document", "chunk", "score"}` of each passage, in retrieval order (for a QA bank answer, the
+    passages its stored answer came from)."""
+    reused_chunks: int
+    """Passages whose K/V came from the tree."""
+    reused_tokens: int
+    """Passage tokens whose K/V came from the tree."""
+    retrieved_tokens: int
+    """Passage tokens in the prompt (the K/V hit rate's denominator)."""
+    prompt_tokens: int
+    """Ids of the prompt (0 for a QA bank answer)."""
+    latency: dict[str, float] = field(default_factory=dict)
+    """Seconds by stage: `embed`, `retrieve`, `load`, `prefill`, `decode` (and `save`)."""
+    similarity: float | None = None
+    """For a QA bank answer, the stored question's cosine similarity."""
+
+
+class RagCache:
+    def __init__(self, bank, store, embed: Callable[[list[str]], np.ndarray], template, run: Callable[[RagCall], RagOutcome],
+                 delete_node: Callable[[str], Any], model_key: KVKey, config: RagConfig | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        """`bank`: `storage.knowledge.KnowledgeBank`; `store`: `storage.ragstore.RagStore`; `embed`: the
+        embedding model's (`engine.embed.Embedder.embed`); `template`: `engine.rag.RagTemplate`;
+        `model_key`: the model part of the KV key (the app and adapter are added per query)."""
+        self.bank, self.store, self.embed, self.template = bank, store, embed, template
+        self.run, self.delete_node = run, delete_node
+        self.model_key = model_key
+        self.config = config or RagConfig()
+        self.clock = clock
+        self._trees: dict[tuple[str, str], KVTree] = {}
+        self._heads: dict[tuple[str, str], int] = {}
+        """(app, adapter) -> bytes of the stored head's K/V (0: not stored), as the store has it."""
+
+    # ---- the K/V tree of an app and adapter --------------------------------------------------------
+    def tree(self, app: str, adapter: str = "") -> KVTree:
+        t = self._trees.get((app, adapter))
+        if t is None:
+            rows = self.store.load_tree(app, adapter)
+            t = self._trees[(app, adapter)] = KVTree.from_rows(rows.rows, rows.next_id)
+            self._heads[(app, adapter)] = rows.head_nbytes
+        return t
+
+    def _key(self, app: str, adapter: str) -> KVKey:
+        return replace(self.model_key, adapter=adapter, app=app)
+
+    # ---- a query -------------------------------------------------------------------------------------
+    def query(self, app: str, collection: str, question: str, *, k: int | None = None, tau_query: float | None = None,
+              adapter: str = "", decode: bool = True, predicted: bool = False, **params) -> RagAnswer:
+        """Answer `question` over `collection` (an id of `app`'s); `params`: sampling (`max_tokens`,
+        `temperature`, ...). `decode=False` populates the K/V tree only (a predicted query, PerCache
+        §4.3.2); `predicted` marks what it stores as the predictor's."""
+        cfg = self.config
+        k = cfg.k if k is None else k
+        tau = cfg.tau_query if tau_query is None else tau_query
+        params.setdefault("max_tokens", cfg.max_tokens)
+        lat: dict[str, float] = {}
+        t = time.perf_counter()
+        q = np.asarray(self.embed([question]), np.float32)[0]
+        lat["embed"] = time.perf_counter() - t
+        if cfg.qa_bank and decode and not predicted:
+            hit = self._qa_hit(app, collection, adapter, q, tau, lat)
+            if hit is not None:
+                return hit
+        t = time.perf_counter()
+        hits = self.bank.search(app, collection, question, k, vector=q)
+        lat["retrieve"] = time.perf_counter() - t
+        path = [int(h.chunk) for h in hits]
+        prompt = self.template.build([list(h.token_ids) for h in hits], question)
+        call, matched = self._plan(app, adapter, path, prompt, decode, params)
+        out = self.run(call)
+        lat.update(load=out.load_s, prefill=out.prefill_s, decode=out.decode_s, save=out.save_s)
+        reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
+        self._update_tree(app, adapter, path, prompt, out, matched[:reused_nodes])
+        passage_tokens = prompt.question - prompt.head
+        reused_tokens = max(0, out.reused_tokens - prompt.head) if reused_nodes else 0
+        if cfg.qa_bank and (decode or predicted):
+            self._remember(app, collection, adapter, question, q, out.text if decode else None, path, predicted)
+        return RagAnswer(
+            answer=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+            level="kv_tree" if reused_nodes else "miss",
+            sources=[{"document": h.document, "chunk": int(h.chunk), "score": float(h.score)} for h in hits],
+            reused_chunks=reused_nodes, reused_tokens=reused_tokens, retrieved_tokens=passage_tokens,
+            prompt_tokens=len(prompt.ids), latency=lat)
+
+    def _qa_hit(self, app, collection, adapter, q, tau, lat) -> RagAnswer | None:
+        ids, vecs = self.store.qa_vectors(app, collection, adapter)
+        i, sim = match_query(q, vecs, tau) if len(ids) else (None, -1.0)
+        if i is None:
+            return None
+        entry = next((e for e in self.store.qa_entries(app, collection, adapter) if e.id == int(ids[i])), None)
+        if entry is None or entry.answer is None:  # stored by prefill only: answered when decoded
+            return None
+        self.store.count_qa_hit(app, entry.id, self.clock())
+        return RagAnswer(
+            answer=entry.answer, token_ids=[], finish_reason="stop", level="qa_bank",
+            sources=[{"document": None, "chunk": int(c), "score": None} for c in entry.chunks],
+            reused_chunks=0, reused_tokens=0, retrieved_tokens=0, prompt_tokens=0, latency=lat,
+            similarity=float(sim))
+
+    def _plan(self, app, adapter, path, prompt, decode, params) -> tuple[RagCall, list]:
+        """The call: the head and the longest cached prefix of `path` to load, the rest to save."""
+        key = self._key(app, adapter)
+        spans = [NodeSpan(node_key(key, path[:i + 1]), a, b) for i, (a, b) in enumerate(prompt.spans)]
+        head = NodeSpan(node_key(key, ()), 0, prompt.head)
+        if not self.config.kv_tree:
+            return RagCall(app, adapter, prompt.ids, [], [], params, decode), []
+        tree = self.tree(app, adapter)
+        cached_head = self._heads[(app, adapter)] > 0
+        matched = tree.match(path) if cached_head else []
+        load = [head, *spans[:len(matched)]] if cached_head else []
+        save = ([] if cached_head else [head]) + spans[len(matched):]
+        return RagCall(app, adapter, prompt.ids, load, save, params, decode), matched
+
+    def _update_tree(self, app, adapter, path, prompt, out: RagOutcome, reused) -> None:
+        if not self.config.kv_tree:
+            return
+        key, tree, now = self._key(app, adapter), self.tree(app, adapter), self.clock()
+        head = node_key(key, ())
+        if head in out.saved:
+            self.store.set_head(app, adapter, out.saved[head])
+            self._heads[(app, adapter)] = out.saved[head]
+        sizes = [out.saved.get(node_key(key, path[:i + 1]), 0) for i in range(len(path))]
+        new = tree.insert(path, [b - a for a, b in prompt.spans], sizes, now)
+        for n in tree.match(path):  # nodes saved again after a failed load carry their new size
+            size = out.saved.get(node_key(key, tree.path_of(n.node_id)))
+            if size:
+                n.nbytes = size
+        tree.touch(reused, now)
+        changed = {n.node_id: n for n in [*new, *reused, *tree.match(path)]}
+        self.store.upsert_nodes(app, adapter, [r for r in tree.to_rows() if r["node_id"] in changed], tree.next_id)
+        keep = [n.node_id for n in tree.match(path)]
+        victims = plan_tree_eviction(tree, max(0, self.config.tree_cap_bytes - self._heads[(app, adapter)]), keep)
+        self._drop_nodes(app, adapter, victims)
+
+    def _drop_nodes(self, app: str, adapter: str, node_ids) -> None:
+        key, tree = self._key(app, adapter), self.tree(app, adapter)
+        gone = []
+        for v in node_ids:
+            if v not in tree:
+                continue
+            paths = {n: tree.path_of(n) for n in self._subtree(tree, v)}
+            for n in tree.remove(v):
+                self.delete_node(node_key(key, paths[n]))
+                gone.append(n)
+        if gone:
+            self.store.delete_nodes(app, adapter, gone)
+
+    @staticmethod
+    def _subtree(tree: KVTree, node_id) -> list:
+        out, todo = [], [node_id]
+        while todo:
+            n = todo.pop()
+            out.append(n)
+            todo.extend(tree.node(n).children.values())
+        return out
+
+    def _remember(self, app, collection, adapter, question, q, answer, path, predicted) -> None:
+        self.store.add_qa(app, collection, adapter, question, q, answer, path, predicted=predicted)
+        entries = [QAEntry(e.id, e.nbytes, e.hits, e.last_use, e.answer is not None, tuple(e.chunks))
+                   for e in self.store.qa_entries(app, collection, adapter)]
+        victims = plan_qa_eviction(entries, self.config.qa_cap_bytes)
+        if victims:
+            self.store.delete_qa(app, victims)
+
+    # ---- documents leaving -----------------------------------------------------------------------
+    def chunks_deleted(self, app: str, chunk_ids) -> None:
+        """Knowledge chunks of `app` were deleted: every node of them (and below them) goes, with the
+        QA entries whose answers came from them (PerCache §4.1.3)."""
+        chunk_ids = [int(c) for c in chunk_ids]
+        if not chunk_ids:
+            return
+        for adapter in self.store.trees(app):
+            tree = self.tree(app, adapter)
+            roots = [n.node_id for n in list(tree) if int(n.chunk_id) in chunk_ids]
+            self._drop_nodes(app, adapter, roots)
+        self.store.delete_qa(app, self.store.qa_using_chunks(app, chunk_ids))

@@ -1,0 +1,141 @@
+"""The RAG cache (actors.ragfront.RagCache) over a real knowledge bank, store, embedder and model: exact
+reuse along tree paths (also from a fresh cache over the same files), the QA bank's threshold, LFU
+eviction under the cap, deletion, and apps kept apart."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from actors.messages import KVKey
+from actors.rag import node_key, run_rag_call
+from actors.ragfront import RagCache, RagConfig
+from actors.swapio import KVSwapIO
+from engine.rag import RagTemplate
+from storage.knowledge import KnowledgeBank, KnowledgeConfig
+from storage.ragstore import RagStore
+
+DOCS = {
+    "paris": "The Eiffel Tower stands in Paris. It was finished in 1889 for the World's Fair and is 330 metres tall.",
+    "fuji": "Mount Fuji is the highest mountain in Japan. It is 3,776 metres tall and last erupted in 1707.",
+    "nile": "The Nile flows north through eleven countries. It empties into the Mediterranean Sea in Egypt.",
+    "amazon": "The Amazon carries more water than any other river. It flows east into the Atlantic Ocean.",
+    "everest": "Mount Everest is the highest mountain on Earth, at 8,849 metres, on the border of Nepal and China.",
+}
+QUESTIONS = [  # retrievals that share prefixes: the tree reuses the head and the passages before a difference
+    "How tall is Mount Fuji?",
+    "When did Mount Fuji last erupt?",
+    "Which mountain is the highest on Earth?",
+    "How tall is the Eiffel Tower?",
+    "Where does the Nile flow?",
+]
+
+
+class Parts:
+    def __init__(self, tmp_path, engine, embedder, **cfg):
+        self.io = KVSwapIO(str(tmp_path / "chunks"), KVKey(engine.model.fingerprint or "m"))
+        db = str(tmp_path / "registry.db")
+        self.bank = KnowledgeBank(db, tokenize=engine.tok.encode, embed=embedder.embed,
+                                  config=KnowledgeConfig(chunk_tokens=64))
+        self.store = RagStore(db)
+        self.calls = []
+
+        def run(call):
+            self.calls.append(call)
+            return run_rag_call(engine, self.io, call)
+
+        self.cache = RagCache(self.bank, self.store, embedder.embed, RagTemplate(engine.tok), run,
+                              self.io.delete_context, self.io.key, RagConfig(k=3, **cfg))
+
+    def add(self, app):
+        col = self.bank.create_collection(app, "facts")
+        docs = {name: self.bank.add_document(app, col, text, name=name) for name, text in DOCS.items()}
+        return col, docs
+
+
+@pytest.fixture
+def naive(tmp_path, engine, embedder):
+    p = Parts(tmp_path / "naive", engine, embedder, qa_bank=False, kv_tree=False)
+    col, _ = p.add("app")
+    return {q: p.cache.query("app", col, q, max_tokens=12) for q in QUESTIONS}
+
+
+def test_answers_from_cached_nodes_are_those_of_the_whole_prefill(tmp_path, engine, embedder, naive):
+    p = Parts(tmp_path, engine, embedder, qa_bank=False)
+    col, _ = p.add("app")
+    got = [p.cache.query("app", col, q, max_tokens=12) for q in QUESTIONS]
+    for q, a in zip(QUESTIONS, got):
+        assert a.token_ids == naive[q].token_ids, q
+        assert [s["chunk"] for s in a.sources] == [s["chunk"] for s in naive[q].sources]
+    assert got[0].level == "miss" and got[0].reused_tokens == 0
+    assert sum(a.reused_chunks for a in got) > 0  # shared prefixes were reused...
+    assert all(a.reused_tokens <= a.retrieved_tokens for a in got)
+    assert any(a.level == "kv_tree" for a in got[1:])
+    # ...and a fresh cache over the same files (a restart: nothing in memory) reuses every node from disk
+    again = Parts(tmp_path, engine, embedder, qa_bank=False)
+    for q in QUESTIONS:
+        a = again.cache.query("app", col, q, max_tokens=12)
+        assert a.token_ids == naive[q].token_ids and a.level == "kv_tree", q
+        assert a.reused_tokens == a.retrieved_tokens  # the whole path was cached
+    assert all(c.save == [] for c in again.calls)
+
+
+def test_the_qa_bank_answers_a_similar_question_at_once_and_not_a_different_one(tmp_path, engine, embedder):
+    p = Parts(tmp_path, engine, embedder, tau_query=0.9)
+    col, _ = p.add("app")
+    first = p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=12)
+    assert first.level == "miss"
+    same = p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=12)
+    assert same.level == "qa_bank" and same.answer == first.answer and same.similarity >= 0.9
+    assert len(p.calls) == 1  # no prefill, no decode
+    other = p.cache.query("app", col, "Where does the Amazon river flow?", max_tokens=12)
+    assert other.level != "qa_bank" and len(p.calls) == 2
+    below = p.cache.query("app", col, "How tall is Mount Fuji?", tau_query=1.01, max_tokens=12)
+    assert below.level != "qa_bank"
+
+
+def test_apps_share_no_nodes_and_no_answers(tmp_path, engine, embedder):
+    p = Parts(tmp_path, engine, embedder)
+    cols = {app: p.add(app)[0] for app in ("a", "b")}
+    p.cache.query("a", cols["a"], QUESTIONS[0], max_tokens=8)
+    b = p.cache.query("b", cols["b"], QUESTIONS[0], max_tokens=8)
+    assert b.level == "miss" and b.reused_tokens == 0  # app a's answer and nodes are not b's
+    call_a, call_b = p.calls
+    assert call_b.load == [] and not {n.key for n in call_a.save} & {n.key for n in call_b.save}
+    assert len(p.cache.tree("a")) == len(p.cache.tree("b")) == 3
+
+
+def test_nodes_past_the_cap_are_evicted_least_used_first_with_their_records(tmp_path, engine, embedder):
+    p = Parts(tmp_path, engine, embedder, qa_bank=False)
+    col, _ = p.add("app")
+    p.cache.query("app", col, QUESTIONS[0], max_tokens=4)
+    tree = p.cache.tree("app")
+    per_node = max(n.nbytes for n in tree)
+    p.cache.config = replace(p.cache.config, tree_cap_bytes=p.cache._heads[("app", "")] + 4 * per_node)
+    for q in QUESTIONS[1:]:
+        p.cache.query("app", col, q, max_tokens=4)
+        assert tree.bytes() <= 4 * per_node
+    key = replace(p.io.key, app="app")
+    live = {node_key(key, tree.path_of(n.node_id)) for n in tree}
+    written = {n.key for c in p.calls for n in c.save}
+    assert live and live < written
+    for k in written - live - {node_key(key, ())}:
+        assert p.io.store.indices(k) == []  # an evicted node's records are gone
+    for k in live:
+        assert p.io.store.indices(k)
+    assert {r["node_id"] for r in p.store.load_tree("app", "").rows} == {n.node_id for n in tree}
+
+
+def test_deleting_a_document_drops_its_nodes_and_the_answers_it_gave(tmp_path, engine, embedder):
+    p = Parts(tmp_path, engine, embedder)
+    col, docs = p.add("app")
+    p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=8)
+    tree = p.cache.tree("app")
+    n_before = len(tree)
+    gone = p.bank.delete_document("app", docs["fuji"])
+    p.cache.chunks_deleted("app", gone)
+    assert len(tree) < n_before and not {int(n.chunk_id) for n in tree} & set(gone)
+    again = p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=8)
+    assert again.level != "qa_bank"  # the stored answer came from the deleted passage
+    assert all(s["document"] != docs["fuji"] for s in again.sources)
