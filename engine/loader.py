@@ -109,6 +109,11 @@ def _cached_gguf(src: Path, *, progress: bool) -> ResolvedModel:
             if not manifest.is_file():
                 _convert_gguf(src, target, progress=progress)
     meta = json.loads(manifest.read_text())
+    if not Path(meta.get("source", "")).is_file():  # converted from a copy since removed (another venv's)
+        meta["source"] = str(src.resolve())  # the same content (the cache key): weight formats repack from it
+        tmp = manifest.with_name(f".{MANIFEST}.{os.getpid()}")
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, manifest)
     return ResolvedModel(target, meta["fingerprint"], src)
 
 

@@ -3,6 +3,8 @@ Llama 3 rope scaling, built here from random weights with transformers and saved
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -103,6 +105,31 @@ def test_default_model_conversion_is_cached(resolved_model, monkeypatch):
     again = resolve_model()
     assert again.directory == resolved_model.directory
     assert (again.directory / "model.safetensors").is_file()
+
+
+def test_a_cached_conversion_follows_its_gguf_when_the_first_copy_is_gone(resolved_model, tmp_path):
+    """The conversion cache is keyed by the GGUF's content, so another venv's copy hits it; when the
+    copy it was made from is removed, the manifest names the copy in use (the int4 formats repack the
+    GGUF's own blocks from it)."""
+    import shutil
+
+    from engine.loader import MANIFEST
+    from engine.weightcache import _Gguf
+
+    copy = tmp_path / resolved_model.source.name
+    shutil.copyfile(resolved_model.source, copy)
+    manifest = resolved_model.directory / MANIFEST
+    try:
+        assert resolve_model(copy).directory == resolved_model.directory
+        first = json.loads(manifest.read_text())["source"]
+        copy.unlink()  # the venv that converted it is gone
+        assert resolve_model().directory == resolved_model.directory
+        assert json.loads(manifest.read_text())["source"] == str(resolved_model.source.resolve())
+        assert first in (str(copy), str(resolved_model.source.resolve()))
+        cfg = json.loads((resolved_model.directory / "config.json").read_text())
+        assert _Gguf.of(resolved_model.directory, cfg["num_attention_heads"], cfg["num_key_value_heads"]) is not None
+    finally:
+        resolve_model()
 
 
 def test_fused_cache_follows_a_changed_directory(tmp_path, monkeypatch):
