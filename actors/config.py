@@ -47,6 +47,16 @@ class RagConfig:
     """Bytes of QA entries kept per app and collection."""
     max_tokens: int = 128
     """Default reply length."""
+    predict: bool = True
+    """Predict queries in idle time (the query predictor; off: the caches fill only from real queries)."""
+    idle_after_s: float = 120.0
+    """Seconds without a real call before the predictor may work."""
+    predict_budget_s: float = 600.0
+    """Model seconds the predictor may spend per app per day."""
+    stride: int = 5
+    """Queries predicted per round (PerCache's prediction stride)."""
+    mains_only: bool = False
+    """Predict only on mains power (where the system reports a battery)."""
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ import numpy as np
 
 from actors.admission import admit_prefill, apply_plan, prefill_shape
 from actors.messages import CallOutcome, CallPlan, RagCall, RagOutcome, RestoreRequest, RestoreStats
+from actors.priority import PriorityLock
 from actors.recompute import stage_seconds
 from actors.restore import host_view, restore
 from engine.chat import Conversation, Turn
@@ -203,7 +204,8 @@ class ModelExecutor:
         self.overlap_admit = overlap_admit and background
         self.prefill_budget = prefill_budget
         self._shape = prefill_shape(self.model, engine.cfg.kv_format) if prefill_budget else None
-        self._lock = threading.Lock()
+        self._lock = PriorityLock()
+        """Real calls in turn; the query predictor's work only when none waits, and it yields at once."""
 
     @property
     def ws_ctx(self) -> str | None:
@@ -293,7 +295,7 @@ class ModelExecutor:
         """A call on no context (an OpenAI-style call without `context_id`): the conversation so far is
         prefilled into the working set and answered; nothing is stored, locked or counted against the
         app's contexts. Generator of text deltas; returns a `CallOutcome`."""
-        with self._lock:
+        with self._lock.real():
             _check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
             self.flush()
@@ -325,13 +327,20 @@ class ModelExecutor:
 
     def rag_call(self, call: RagCall) -> RagOutcome:
         """A RAG prompt (`actors.rag.run_rag_call`) in the working set, which it takes as a call on no
-        context does (the next call restores its context); its nodes go through the IO worker."""
+        context does (the next call restores its context); its nodes go through the IO worker. A
+        `call.background` one yields to any real call (`PreemptedError`) before it starts and at each
+        layer or token."""
         from actors.rag import run_rag_call
 
-        with self._lock:
+        with self._lock.background() if call.background else self._lock.real():
             self.flush()
             self._last = None
-            return run_rag_call(self.engine, self.io, call, self.adapters.by_key(call.adapter), cache=self.ws)
+            return run_rag_call(self.engine, self.io, call, self.adapters.by_key(call.adapter), cache=self.ws,
+                                should_stop=self._lock.should_yield if call.background else None)
+
+    def activity(self) -> tuple[float, int]:
+        """`ExecutorPort.activity`: when the last real call began or ended, and how many run or wait."""
+        return self._lock.last_call, self._lock.in_flight
 
     def flush(self) -> None:
         """Wait for the last call's write-back. Its failure is the service's business, not the next
@@ -366,7 +375,7 @@ class ModelExecutor:
         (`time.time()` seconds): past it the call stops, rolls back and raises `CallTimeoutError`.
         `request_id`: a call retried with the id of one already committed runs nothing and returns
         the committed turn (a retry after the executor stopped between the commit and the reply)."""
-        with self._lock:
+        with self._lock.real():
             _check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
             behind, reading = self._await_write_back(ctx_id, app)  # inside switch_ms

@@ -19,6 +19,13 @@ class CallInterruptedError(RuntimeError):
     code = "interrupted"
 
 
+class PreemptedError(RuntimeError):
+    """Low-priority work (the query predictor's, `RagCall.background`) gave the model executor up to
+    a real call at a layer or token boundary; nothing of it was kept."""
+
+    code = "preempted"
+
+
 # ---- keys ----------------------------------------------------------------------------------------
 
 
@@ -284,6 +291,9 @@ class RagCall:
     """Sampling parameters (`engine.sampling.SamplingParams`'s fields)."""
     decode: bool = True
     """False: prefill only (populating the K/V tree ahead of a predicted query; no reply)."""
+    background: bool = False
+    """Low priority (the query predictor's idle work): it yields to any real call at the next layer of
+    its prefill or token of its reply (`PreemptedError`), so a real call waits for one such slice."""
 
 
 @dataclass(slots=True)

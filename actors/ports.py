@@ -173,7 +173,12 @@ class ExecutorPort(Protocol):
 
     def rag_call(self, call: RagCall) -> RagOutcome:
         """Run a RAG prompt in the working set from cached K/V nodes (`actors.rag.run_rag_call`); like
-        a call on no context, nothing of a context is stored."""
+        a call on no context, nothing of a context is stored. A `call.background` one yields to real
+        calls (`PreemptedError`)."""
+
+    def activity(self) -> tuple[float, int]:
+        """(`time.time()` of the last real call's start or end, real calls running or waiting): how
+        long the executor has been idle, for the query predictor."""
 
     def forget(self, ctx: str) -> None:
         """The context is being deleted: finish its write-back and drop it from the working set."""

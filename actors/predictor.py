@@ -3,12 +3,26 @@ knowledge bank, the embedding model, the QA bank and the K/V tree (`actors.ragfr
 drives the one model executor for RAG prompts through its port (`rag_call`). A plain class; on Ray
 `actors.ray_actors.PredictorActor` hosts it with one torch thread and no CPU of its own.
 
+In idle time it predicts queries (PerCache §4.1.2) and runs them through the same path as real ones
+(`tick`): after documents arrive and a quiet period passes, the model updates the collection's
+abstract (topics, names, terms) from the new passages and writes questions about them; after a burst
+of user queries and a quiet period, it writes questions in their style. Each predicted question
+populates the K/V tree, and the QA bank with an answer when the cache scheduler says decoding pays
+(`scheduler.ragcache.CacheScheduler.populate`). The work is low priority (`RagCall.background`): it
+runs only when the executor has been idle `IdlePolicy.idle_after_s`, within a per-app daily budget of
+model-seconds, optionally on mains power only, and it yields to any real call at the next layer or
+token (`actors.priority.PriorityLock`). What it knows (abstracts, recent queries, what is pending,
+the budgets) is saved in the RAG store after each round and survives a restart.
+
 The embedding model (all-MiniLM-L6-v2, `engine.embed`) loads on first use: a node that never sees a
 RAG request never pays for it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -16,18 +30,61 @@ from typing import Any, Callable
 
 import numpy as np
 
-from actors.messages import KVKey
 from actors.config import RagConfig
+from actors.messages import KVKey, PreemptedError, RagCall
 from actors.ragfront import RagAnswer, RagCache
+from scheduler.ragcache import CacheScheduler, IdlePolicy, IdleState, PredictRound
+
+PREDICT_SYSTEM = "You help a user with their own documents. Answer briefly."
+ABSTRACT_PROMPT = ("List the main topics, names and terms of these passages from the user's documents, "
+                   "separated by commas.\n\n{passages}")
+KNOWLEDGE_PROMPT = ("The user's documents are about: {abstract}\n\nPassage:\n{passage}\n\nWrite {n} short "
+                    "questions the user might ask about this passage, one per line.")
+HISTORY_PROMPT = ("Questions the user asked recently:\n{queries}\n\nWrite {n} more questions in the same "
+                  "style about the same subjects, one per line.")
+ABSTRACT_CHARS = 1200
+"""Longest abstract kept per collection (the newest terms win)."""
+RECENT_QUERIES = 8
+"""User queries kept per collection for history-based prediction."""
+
+
+def parse_questions(text: str, n: int) -> list[str]:
+    """Up to `n` distinct questions from the model's lines (numbering and bullets stripped)."""
+    out: list[str] = []
+    for line in text.splitlines():
+        q = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)]|Q\d*[:.])\s*", "", line).strip()
+        if len(q) >= 8 and q.lower() not in {x.lower() for x in out}:
+            out.append(q)
+        if len(out) == n:
+            break
+    return out
+
+
+def mains_power(root: str = "/sys/class/power_supply") -> bool | None:
+    """True on mains power, False on battery, None where the system says neither (no supplies)."""
+    kinds = []
+    for d in sorted(Path(root).glob("*")) if Path(root).is_dir() else []:
+        try:
+            online = (d / "online").read_text().strip() if (d / "online").exists() else ""
+            kinds.append(((d / "type").read_text().strip(), online))
+        except OSError:
+            continue
+    if any(k == "Mains" and online == "1" for k, online in kinds):
+        return True
+    if any(k == "Battery" for k, _ in kinds):
+        return False
+    return None
 
 
 class QueryPredictor:
     def __init__(self, data_dir: str, tokenizer, executor, delete_node: Callable[[str], Any], model_key: KVKey,
                  config: RagConfig | None = None, *, embed: Callable[[list[str]], np.ndarray] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, idle: IdlePolicy | None = None,
+                 power: Callable[[], bool | None] = mains_power) -> None:
         """`tokenizer`: the model's `engine.chat.ChatTokenizer`; `executor`: an `ExecutorPort`;
         `delete_node`: the IO port's `delete_context`; `embed`: an embedding function (default: the
-        packaged all-MiniLM-L6-v2, loaded on first use)."""
+        packaged all-MiniLM-L6-v2, loaded on first use); `idle`: when and how much to predict;
+        `power`: reads whether the node is on mains power."""
         from engine.rag import RagTemplate
         from storage.knowledge import KnowledgeBank, KnowledgeConfig
         from storage.ragstore import RagStore
@@ -41,6 +98,18 @@ class QueryPredictor:
         self.store = RagStore(db, clock=clock)
         self.rag = RagCache(self.bank, self.store, self.embed, RagTemplate(tokenizer), executor.rag_call,
                             delete_node, model_key, config, clock=clock)
+        self.tok, self.executor, self.clock, self.power = tokenizer, executor, clock, power
+        self.scheduler = CacheScheduler()
+        self._lock = threading.RLock()  # `tick` and the routes share what follows
+        cfg = self.rag.config
+        self.idle = IdleState(idle or IdlePolicy(idle_after_s=cfg.idle_after_s, require_mains_power=cfg.mains_only,
+                                                 budget_model_s_per_day=cfg.predict_budget_s, stride=cfg.stride))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.known: dict[str, dict] = {}
+        """App -> what the predictor keeps of it: per collection the abstract, the documents it covers,
+        the recent user queries, and the collections with documents not yet predicted from."""
+        self._load_state()
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """Unit rows of `texts` (the OpenAI embeddings route and retrieval use the same model)."""
@@ -65,7 +134,14 @@ class QueryPredictor:
         self.store.delete_collection_qa(app, collection)
 
     def add_document(self, app: str, collection: str, content: str, name: str = "", kind: str = "text") -> str:
-        return self.bank.add_document(app, collection, content, name=name, kind=kind)
+        known = {d["id"] for d in self.documents(app, collection)}
+        doc = self.bank.add_document(app, collection, content, name=name, kind=kind)
+        if doc not in known:
+            with self._lock:
+                self.idle.documents_added(app, self.clock())
+                self._app(app)["pending"][collection] = True
+                self._save(app)
+        return doc
 
     def documents(self, app: str, collection: str) -> list[dict]:
         return [_info(d) for d in self.bank.documents(app, collection)]
@@ -80,9 +156,132 @@ class QueryPredictor:
     def query(self, app: str, collection: str, question: str, params: dict) -> RagAnswer:
         """Answer `question` over `app`'s `collection` (`RagCache.query`; `params`: `k`, `tau_query`,
         `adapter` and sampling)."""
-        return self.rag.query(app, collection, question, **params)
+        answer = self.rag.query(app, collection, question, **params)
+        with self._lock:
+            self.idle.query_seen(app, self.clock())
+            recent = self._app(app)["recent"].setdefault(collection, [])
+            recent[:] = (recent + [question])[-RECENT_QUERIES:]
+            self._save(app)
+        return answer
+
+    # ---- idle work (PerCache §4.1.2) -----------------------------------------------------------------
+    def tick(self, now: float | None = None) -> list[dict]:
+        """One round of query prediction for each app that is due and may work now; what each round
+        did (`app`, `kind`, `collection`, `questions`, `model_s`, and `preempted` when a real call
+        took the executor back midway: the round is left pending). Cheap when nothing is due."""
+        now = self.clock() if now is None else now
+        done = []
+        with self._lock:
+            self.idle.calls_seen(*self.executor.activity())
+            self.idle.set_power(self.power())
+            for app in self.idle.apps():
+                work = self.idle.next_work(app, now) if self.idle.may_work(app, now).ok else None
+                if work is not None:
+                    done.append(self._round(app, work, now))
+                    if done[-1].get("preempted"):
+                        break
+        return done
+
+    def _round(self, app: str, work: PredictRound, now: float) -> dict:
+        known = self._app(app)
+        col = (next(iter(known["pending"]), None) if work.kind == "knowledge"
+               else max(known["recent"], key=lambda c: len(known["recent"][c]), default=None))
+        out = {"app": app, "kind": work.kind, "collection": col, "questions": [], "model_s": 0.0}
+        t0 = time.perf_counter()
+        try:
+            if col is not None:
+                questions = (self._from_knowledge(app, col, work.stride) if work.kind == "knowledge"
+                             else self._from_history(app, col, work.stride))
+                pop = self.scheduler.populate(self.rag.config.tau_query)
+                for q in questions:
+                    self.rag.query(app, col, q, predicted=True, decode=pop.decode, background=True)
+                    out["questions"].append(q)
+        except PreemptedError:
+            out["preempted"] = True
+        out["model_s"] = time.perf_counter() - t0
+        self.idle.spend(app, out["model_s"], now)
+        if not out.get("preempted"):
+            self.idle.round_done(work)
+            if work.kind == "knowledge" and col is not None:
+                known["pending"].pop(col, None)
+                if known["pending"]:  # more collections wait: the next round takes the next one
+                    self.idle.documents_added(app, now - self.idle.policy.abstract_quiet_s, 1)
+        self._save(app)
+        return out
+
+    def _generate(self, app: str, prompt: str, max_tokens: int) -> str:
+        """A low-priority completion through the executor (`RagCall.background`, nothing cached)."""
+        from engine.chat import Conversation, Turn
+
+        conv = Conversation([Turn("system", PREDICT_SYSTEM)])
+        ids = self.tok.system_ids(PREDICT_SYSTEM) + self.tok.user_turn_ids(conv, prompt)
+        return self.executor.rag_call(RagCall(app, "", ids, [], [], {"max_tokens": max_tokens},
+                                              background=True)).text
+
+    def _from_knowledge(self, app: str, collection: str, n: int) -> list[str]:
+        """Merge the collection's new documents into its abstract; questions about a new passage."""
+        c = self._app(app)["collections"].setdefault(collection, {"abstract": "", "covered": []})
+        docs = [d for d in self.bank.documents(app, collection) if d.id not in c["covered"]]
+        passages = [self.bank.chunks(app, d.id)[0].text for d in docs[:4]]
+        if not passages:
+            return []
+        terms = self._generate(app, ABSTRACT_PROMPT.format(passages="\n\n".join(passages)), 32)
+        c["abstract"] = (c["abstract"] + ", " + terms.strip()).strip(", ")[-ABSTRACT_CHARS:]
+        c["covered"] += [d.id for d in docs[:4]]
+        text = self._generate(app, KNOWLEDGE_PROMPT.format(abstract=c["abstract"], passage=passages[-1], n=n), 20 * n)
+        return parse_questions(text, n)
+
+    def _from_history(self, app: str, collection: str, n: int) -> list[str]:
+        recent = self._app(app)["recent"].get(collection, [])
+        if not recent:
+            return []
+        return parse_questions(self._generate(app, HISTORY_PROMPT.format(queries="\n".join(recent), n=n), 20 * n), n)
+
+    # ---- state that survives a restart -----------------------------------------------------------------
+    def _app(self, app: str) -> dict:
+        return self.known.setdefault(app, {"collections": {}, "recent": {}, "pending": {}})
+
+    def _save(self, app: str) -> None:
+        idle = self.idle.to_dict()
+        idle["apps"] = {app: idle["apps"][app]} if app in idle["apps"] else {}
+        self.store.save_state(app, "predictor", json.dumps({"known": self._app(app), "idle": idle}))
+
+    def _load_state(self) -> None:
+        """Every app's saved state."""
+        merged: dict[str, Any] = {"version": 1, "last_call": None, "apps": {}}
+        for app in self.store.state_apps("predictor"):
+            blob = self.store.load_state(app, "predictor")
+            if blob is None:
+                continue
+            d = json.loads(blob)
+            self.known[app] = d["known"]
+            merged["apps"].update(d["idle"]["apps"])
+            merged["version"] = d["idle"]["version"]
+            last = d["idle"]["last_call"]
+            if last is not None and (merged["last_call"] is None or last > merged["last_call"]):
+                merged["last_call"] = last
+        if merged["apps"]:
+            self.idle = IdleState.from_dict(merged, self.idle.policy)
+
+    def start(self, poll_s: float = 5.0) -> None:
+        """Run `tick` every `poll_s` seconds on a thread of its own (when `RagConfig.predict`)."""
+        if not self.rag.config.predict or self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(poll_s):
+                try:
+                    self.tick()
+                except Exception:  # noqa: BLE001 - logged; the next tick tries again
+                    logging.getLogger(__name__).exception("query prediction failed")
+
+        self._thread = threading.Thread(target=loop, name="query-predictor", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)  # a round in progress ends at its next question
         self.bank.close()
         self.store.close()
 

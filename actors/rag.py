@@ -15,11 +15,11 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from actors.messages import KVKey, NodeSpan, RagCall, RagOutcome
+from actors.messages import KVKey, NodeSpan, PreemptedError, RagCall, RagOutcome
 from storage import codecs
 
 RECORD_TOKENS = 16
@@ -65,12 +65,19 @@ def load_node(io, node: NodeSpan, adapter: str) -> np.ndarray | None:
     return np.concatenate(parts, axis=3)
 
 
-def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None) -> RagOutcome:
+def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
+                 should_stop: Callable[[], bool] | None = None) -> RagOutcome:
     """The executor's side of a RAG call on `engine` (`engine.context.ContextEngine`): read the cached
     nodes into the first slots of a throwaway working set (stopping at the first that fails), prefill
     the rest, decode, then write the new nodes (and those that failed). `adapter`: the loaded LoRA
     adapter named by `call.adapter` (`engine.lora.Adapter`), None for the base model. `cache`: the
-    working set to compute in (the executor's), a new one when None."""
+    working set to compute in (the executor's), a new one when None. `should_stop`: asked before each
+    node read, each layer of the prefill and each token of the reply; True stops the call with
+    `PreemptedError` (nothing is written)."""
+    def check() -> None:
+        if should_stop is not None and should_stop():
+            raise PreemptedError("low-priority work gave the executor up to a real call")
+
     from engine.rag import put_span, span_kv
     from engine.sampling import SamplingParams
 
@@ -79,6 +86,7 @@ def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None) -> RagOutc
     ctx = engine.throwaway(call.ids, sp.max_tokens, adapter, cache)
     loaded: list[str] = []
     for node in call.load:
+        check()
         kv = load_node(io, node, call.adapter)
         if kv is None:
             break
@@ -86,9 +94,13 @@ def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None) -> RagOutc
         loaded.append(node.key)
     redo = call.load[len(loaded):]
     t1 = time.perf_counter()
-    stream = engine.generate(ctx, sp)
-    for _ in stream:
-        pass
+    stream = engine.generate(ctx, sp, progress=should_stop is not None)  # progress: an event per layer
+    items = iter(stream)
+    try:
+        for _ in items:
+            check()
+    finally:
+        items.close()  # stopped midway: the forward pass undoes its rows now
     res = stream.result
     t2 = time.perf_counter()
     saved = {node.key: save_node(io, node, span_kv(ctx.cache, node.start, node.end), call.adapter)

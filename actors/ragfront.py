@@ -13,6 +13,7 @@ baselines of PerCache §5.2 are configurations: `RagConfig.qa_bank` and `RagConf
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -24,6 +25,7 @@ from actors.messages import KVKey, NodeSpan, RagCall, RagOutcome
 from actors.rag import node_key
 from scheduler.ragcache import match_query, plan_qa_eviction, QAEntry
 from scheduler.ragtree import KVTree, plan_tree_eviction
+from storage.ragstore import QAEntryNotFoundError
 
 LEVELS = ("qa_bank", "kv_tree", "miss")
 """What served a reply: a stored answer, cached K/V of at least one passage, or neither."""
@@ -71,6 +73,7 @@ class RagCache:
         self.config = config or RagConfig()
         self.clock = clock
         self._trees: dict[tuple[str, str], KVTree] = {}
+        self._tree_lock = threading.RLock()
         self._heads: dict[tuple[str, str], int] = {}
         """(app, adapter) -> bytes of the stored head's K/V (0: not stored), as the store has it."""
 
@@ -88,10 +91,12 @@ class RagCache:
 
     # ---- a query -------------------------------------------------------------------------------------
     def query(self, app: str, collection: str, question: str, *, k: int | None = None, tau_query: float | None = None,
-              adapter: str = "", decode: bool = True, predicted: bool = False, **params) -> RagAnswer:
+              adapter: str = "", decode: bool = True, predicted: bool = False, background: bool = False,
+              **params) -> RagAnswer:
         """Answer `question` over `collection` (an id of `app`'s); `params`: sampling (`max_tokens`,
         `temperature`, ...). `decode=False` populates the K/V tree only (a predicted query, PerCache
-        §4.3.2); `predicted` marks what it stores as the predictor's."""
+        §4.3.2); `predicted` marks what it stores as the predictor's; `background` runs the model at
+        low priority (`RagCall.background`: `PreemptedError` when a real call comes)."""
         cfg = self.config
         k = cfg.k if k is None else k
         tau = cfg.tau_query if tau_query is None else tau_query
@@ -109,11 +114,13 @@ class RagCache:
         lat["retrieve"] = time.perf_counter() - t
         path = [int(h.chunk) for h in hits]
         prompt = self.template.build([list(h.token_ids) for h in hits], question)
-        call, matched = self._plan(app, adapter, path, prompt, decode, params)
-        out = self.run(call)
+        with self._tree_lock:  # the executor runs one call at a time anyway; the trees change in step
+            call, matched = self._plan(app, adapter, path, prompt, decode, params)
+            call.background = background
+            out = self.run(call)
+            reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
+            self._update_tree(app, adapter, path, prompt, out, matched[:reused_nodes])
         lat.update(load=out.load_s, prefill=out.prefill_s, decode=out.decode_s, save=out.save_s)
-        reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
-        self._update_tree(app, adapter, path, prompt, out, matched[:reused_nodes])
         passage_tokens = prompt.question - prompt.head
         reused_tokens = max(0, out.reused_tokens - prompt.head) if reused_nodes else 0
         if cfg.qa_bank and (decode or predicted):
@@ -130,8 +137,11 @@ class RagCache:
         i, sim = match_query(q, vecs, tau) if len(ids) else (None, -1.0)
         if i is None:
             return None
-        entry = next((e for e in self.store.qa_entries(app, collection, adapter) if e.id == int(ids[i])), None)
-        if entry is None or entry.answer is None:  # stored by prefill only: answered when decoded
+        try:
+            entry = self.store.qa_entry(app, int(ids[i]))
+        except QAEntryNotFoundError:  # deleted since the vectors were read
+            return None
+        if entry.answer is None:  # stored by prefill only: answered once decoded
             return None
         self.store.count_qa_hit(app, entry.id, self.clock())
         return RagAnswer(
@@ -209,11 +219,12 @@ class RagCache:
     def chunks_deleted(self, app: str, chunk_ids) -> None:
         """Knowledge chunks of `app` were deleted: every node of them (and below them) goes, with the
         QA entries whose answers came from them (PerCache §4.1.3)."""
-        chunk_ids = [int(c) for c in chunk_ids]
+        chunk_ids = {int(c) for c in chunk_ids}
         if not chunk_ids:
             return
-        for adapter in self.store.trees(app):
-            tree = self.tree(app, adapter)
-            roots = [n.node_id for n in list(tree) if int(n.chunk_id) in chunk_ids]
-            self._drop_nodes(app, adapter, roots)
+        with self._tree_lock:
+            for adapter in self.store.trees(app):
+                tree = self.tree(app, adapter)
+                roots = [n.node_id for n in list(tree) if int(n.chunk_id) in chunk_ids]
+                self._drop_nodes(app, adapter, roots)
         self.store.delete_qa(app, self.store.qa_using_chunks(app, chunk_ids))

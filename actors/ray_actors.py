@@ -332,13 +332,47 @@ class PredictorActor(QueryPredictor, Health):
         from actors.ray_stubs import ExecutorStub
         from engine.chat import ChatTokenizer
 
+        from actors.metrics import Metrics, init_predictor_series
+
         torch.set_num_threads(1)
         private_files()
         super().__init__(config.data_dir, ChatTokenizer(model_dir), ExecutorStub(executor_handle),
                          SwapIOStub(io_handle).delete_context, key, config.rag)
+        self.metrics = m = Metrics()
+        m.start("predictor", config.data_dir)
+        restarted("predictor", config.data_dir, m)
+        init_predictor_series(m)
+        self._count_bytes()
+        self.start()
+
+    def tick(self, now: float | None = None) -> list[dict]:
+        done = super().tick(now)
+        for r in done:
+            self.metrics.predicted.inc(len(r["questions"]))
+            self.metrics.predictor_seconds.inc(r["model_s"])
+        return done
+
+    def query(self, app: str, collection: str, question: str, params: dict):
+        a = super().query(app, collection, question, params)
+        m = self.metrics
+        m.rag_queries.labels(a.level).inc()
+        m.qa_hits.inc(a.level == "qa_bank")
+        m.tree_hits.inc(a.level == "kv_tree")
+        m.tree_tokens.inc(a.reused_tokens)
+        m.retrieved_tokens.inc(a.retrieved_tokens)
+        self._count_bytes()
+        return a
+
+    def _count_bytes(self) -> None:
+        for level, n in self.store.total_bytes().items():
+            self.metrics.rag_bytes.labels(level).set(n)
 
 
 class ExecutorActor(Health):
+    GROUPS = {"background": 1}
+    """The query predictor's low-priority calls run in a group of their own, so that a real call reaches
+    the executor while one runs and makes it yield (`actors.priority.PriorityLock`)."""
+
     def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
                  recompute_handle, io_handle, prefix: str, threads: int) -> None:
         import torch
@@ -451,12 +485,22 @@ class ExecutorActor(Health):
     def rag_call(self, call):
         """`ModelExecutor.rag_call` (a RAG prompt from cached K/V nodes), with the call metrics."""
         out = self.ex.rag_call(call)
-        if call.decode:
+        if call.decode and not call.background:
             m, p = self.metrics, self.policy
             m.ttft.labels(p).observe(out.load_s + out.prefill_s)
             m.tokens.labels(p).inc(len(out.token_ids))
             m.decode_seconds.labels(p).inc(out.decode_s)
         return out
+
+    @ray.method(concurrency_group="background")
+    def rag_background(self, call):
+        """A low-priority `rag_call` (`RagCall.background`), beside the real calls' group."""
+        return self.ex.rag_call(call)
+
+    @ray.method(concurrency_group="health")
+    def activity(self) -> tuple[float, int]:
+        """`ExecutorPort.activity`, answered while a call runs."""
+        return self.ex.activity()
 
     def stream_stateless(self, system_prompt: str | None, history: list | None, prompt: str, params: dict):
         """Streaming generator: text deltas (str), then the `CallOutcome` of a call on no context."""

@@ -310,7 +310,10 @@ class ExecutorStub:
         return self.handle.stream_stateless.remote(system_prompt, history, prompt, params)
 
     def rag_call(self, call: RagCall) -> RagOutcome:
-        return retry.call(self.handle.rag_call, call)
+        return retry.call(self.handle.rag_background if call.background else self.handle.rag_call, call)
+
+    def activity(self) -> tuple[float, int]:
+        return retry.call(self.handle.activity)
 
     def forget(self, ctx: str) -> None:
         retry.call(self.handle.forget, ctx)

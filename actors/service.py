@@ -297,6 +297,7 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
                              prefill_budget=config.prefill_budget_bytes, io=io)
     executor.load_recorded_adapters()
     predictor = QueryPredictor(str(root), engine.tok, executor, io.delete_context, io.key, config.rag)
+    predictor.start()
 
     def close() -> None:
         executor.flush()

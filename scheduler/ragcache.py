@@ -339,6 +339,13 @@ class IdleState:
         self._in_flight -= 1
         self._last_call = float(now)
 
+    def calls_seen(self, last_call: float, in_flight: int) -> None:
+        """The real calls as another counter saw them (the model executor's): when the last one began or
+        ended (0: none yet) and how many run now. Replaces what `call_started`/`call_ended` counted."""
+        self._in_flight = count("in_flight", in_flight)
+        if last_call > 0:
+            self._last_call = max(float(last_call), self._last_call or 0.0)
+
     def set_power(self, on_mains: bool | None) -> None:
         """The power state read now (``None``: unknown)."""
         if on_mains not in (True, False, None):

@@ -492,6 +492,14 @@ class RagStore:
             return self._q("SELECT COALESCE(SUM(q.nbytes), 0) FROM rag_qa q JOIN rag_banks b ON b.id = q.bank "
                            "WHERE b.app=?", (app,)).fetchone()[0]
 
+    def total_bytes(self) -> dict[str, int]:
+        """Bytes of every app's cache by level: `kv_tree` (nodes and heads), `qa_bank` (entries)."""
+        with self._transaction(write=False):
+            tree = self._q("SELECT (SELECT COALESCE(SUM(nbytes), 0) FROM rag_nodes) + "
+                           "(SELECT COALESCE(SUM(head_nbytes), 0) FROM rag_trees)").fetchone()[0]
+            qa = self._q("SELECT COALESCE(SUM(nbytes), 0) FROM rag_qa").fetchone()[0]
+        return {"kv_tree": tree, "qa_bank": qa}
+
     def delete_collection_qa(self, app: str, collection: str) -> int:
         """Delete the app's entries of that collection, under every adapter; returns how many."""
         with self._transaction(write=True):
@@ -522,6 +530,11 @@ class RagStore:
         with self._transaction(write=False):
             row = self._q("SELECT blob FROM rag_state WHERE app=? AND name=?", (app, name)).fetchone()
         return row[0] if row else None
+
+    def state_apps(self, name: str) -> list[str]:
+        """The apps with a saved state of that name, sorted."""
+        with self._transaction(write=False):
+            return [r[0] for r in self._q("SELECT app FROM rag_state WHERE name=? ORDER BY app", (name,))]
 
     # -- apps ----------------------------------------------------------------------------------------
 

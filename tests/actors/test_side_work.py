@@ -49,11 +49,11 @@ def test_a_failed_write_back_after_a_committed_reply_is_not_the_next_calls(engin
     io, failed = svc.parts.io, []
     write = io.write
 
-    def full_disk(ctx_id, todo):
+    def full_disk(ctx_id, todo, adapter=""):
         if not failed:
             failed.append(ctx_id)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return write(ctx_id, todo)
+        return write(ctx_id, todo, adapter)
 
     io.write = full_disk  # the fault: a disk that fills up during one write-back
     first = svc.call(tok, ctx, "Name a fruit.", max_tokens=4)

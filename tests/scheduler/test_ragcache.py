@@ -386,3 +386,14 @@ def test_idle_state_round_trip():
     assert back.spent_today("notes", 11.0) == 12.5
     with pytest.raises(ValueError, match="version"):
         IdleState.from_dict({**st.to_dict(), "version": 0})
+
+
+def test_calls_seen_by_another_counter_decide_idleness():
+    s = IdleState(IdlePolicy(idle_after_s=10))
+    s.documents_added("a", 0.0)
+    s.calls_seen(100.0, 1)
+    assert s.may_work("a", 200.0).reason == "busy"
+    s.calls_seen(150.0, 0)
+    assert s.may_work("a", 155.0).reason == "not_idle" and s.may_work("a", 161.0).ok
+    s.calls_seen(0.0, 0)  # "none yet" from a restarted counter keeps what was seen
+    assert s.may_work("a", 155.0).reason == "not_idle"

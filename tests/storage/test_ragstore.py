@@ -224,6 +224,8 @@ def test_predictor_state(store):
     store.save_state("app", "idle", "[]")
     assert json.loads(store.load_state("app", "predictor")) == {"abstract": "dogs"}
     assert store.load_state("app", "idle") == "[]"
+    store.save_state("other", "idle", "{}")
+    assert store.state_apps("predictor") == ["app"] and store.state_apps("idle") == ["app", "other"]
     with pytest.raises(ValueError):
         store.save_state("app", "predictor", {"not": "text"})
 
@@ -235,7 +237,12 @@ def test_delete_app_removes_only_that_app(store):
         store.add_qa(app, "col", "", "q", vec(1), "a", [1])
         store.qa_vectors(app, "col", "")
         store.save_state(app, "predictor", "{}")
+    before = store.total_bytes()
     store.delete_app("gone")
+    after = store.total_bytes()  # every app's bytes by level: halved
+    assert after == {"kv_tree": store.tree_bytes("kept", "") + store.tree_bytes("kept", "lora@1"),
+                     "qa_bank": store.qa_bytes("kept")}
+    assert {k: 2 * v for k, v in after.items()} == before and after["kv_tree"] > 0 and after["qa_bank"] > 0
     assert store.trees("gone") == [] and store.qa_bytes("gone") == 0 and store.load_state("gone", "predictor") is None
     assert store.qa_vectors("gone", "col", "")[0].size == 0 and store.qa_using_chunks("gone", [1]) == []
     assert store.trees("kept") == ["", "lora@1"] and len(store.load_tree("kept", "").rows) == 4

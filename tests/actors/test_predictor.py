@@ -1,0 +1,173 @@
+"""The query predictor (actors.predictor): idle detection on an injected clock, rounds that populate the
+caches through the real path, yielding to a real call (by the order of events, with gates), its state
+across a restart, and the priority lock on its own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from actors.config import RagConfig
+from actors.messages import KVKey, PreemptedError, RagCall
+from actors.predictor import QueryPredictor, mains_power, parse_questions
+from actors.priority import PriorityLock
+from actors.rag import run_rag_call
+from actors.swapio import KVSwapIO
+
+DOCS = ["Mount Fuji is the highest mountain in Japan. It is 3,776 metres tall and last erupted in 1707.",
+        "The Nile flows north through eleven countries. It empties into the Mediterranean Sea in Egypt."]
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Executor:
+    """`ExecutorPort.rag_call` and `activity` over the session's engine, as the executor runs them; a
+    background call stops when `stop` says so (the priority lock's `should_yield`)."""
+
+    def __init__(self, engine, io) -> None:
+        self.engine, self.io = engine, io
+        self.calls: list[RagCall] = []
+        self.last, self.running = 0.0, 0
+        self.stop = lambda: False
+
+    def rag_call(self, call):
+        self.calls.append(call)
+        return run_rag_call(self.engine, self.io, call, should_stop=self.stop if call.background else None)
+
+    def activity(self):
+        return self.last, self.running
+
+
+def predictor(tmp_path, engine, embedder, clock, **cfg):
+    io = KVSwapIO(str(tmp_path / "chunks"), KVKey(engine.model.fingerprint or "m"))
+    ex = Executor(engine, io)
+    config = RagConfig(k=2, max_tokens=6, idle_after_s=30, stride=2, **cfg)
+    p = QueryPredictor(str(tmp_path), engine.tok, ex, io.delete_context, io.key, config, embed=embedder.embed,
+                       clock=clock, power=lambda: None)
+    return p, ex
+
+
+def test_it_predicts_only_when_idle_and_due_and_fills_both_levels(tmp_path, engine, embedder):
+    clock = Clock()
+    p, ex = predictor(tmp_path, engine, embedder, clock)
+    col = p.create_collection("app", "facts")
+    for d in DOCS:
+        p.add_document("app", col, d)
+    assert p.tick(clock.t + 1) == [] and ex.calls == []  # the documents' quiet period has not passed
+    ex.last, ex.running = clock.t + 50, 1  # a real call runs: busy
+    assert p.tick(clock.t + 100) == []
+    ex.running = 0  # it ended at +50: idle from +80 (idle_after_s 30)
+    assert p.tick(clock.t + 79) == []
+    (done,) = p.tick(clock.t + 81)
+    assert done["kind"] == "knowledge" and done["collection"] == col and not done.get("preempted")
+    assert all(c.background for c in ex.calls)  # every model call of the round was low priority
+    assert 1 <= len(done["questions"]) <= 2, done
+    # the predicted questions went through the real path: K/V tree and QA bank (the scheduler decodes
+    # at the default tau_query), marked as the predictor's
+    entries = p.store.qa_entries("app", col, "")
+    assert {e.question for e in entries} == set(done["questions"]) and all(e.predicted for e in entries)
+    assert all(e.answer for e in entries) and len(p.rag.tree("app")) >= 1
+    assert p.tick(clock.t + 90) == []  # nothing new is due
+    assert p.idle.spent_today("app", clock.t + 90) > 0
+
+
+def test_a_real_call_takes_the_executor_back_and_the_round_stays_pending(tmp_path, engine, embedder):
+    clock = Clock()
+    p, ex = predictor(tmp_path, engine, embedder, clock)
+    col = p.create_collection("app", "facts")
+    p.add_document("app", col, DOCS[0])
+    checks = []
+    ex.stop = lambda: checks.append(1) or len(checks) > 3  # a real call arrives at the fourth slice
+    (done,) = p.tick(clock.t + 100)
+    assert done["preempted"] and done["questions"] == [] and len(checks) == 4
+    assert p.store.qa_entries("app", col, "") == [] and len(p.rag.tree("app")) == 0
+    ex.stop = lambda: False
+    (again,) = p.tick(clock.t + 200)  # still due: it runs in the next idle period
+    assert again["kind"] == "knowledge" and not again.get("preempted")
+
+
+def test_its_state_survives_a_restart(tmp_path, engine, embedder):
+    clock = Clock()
+    p, _ = predictor(tmp_path, engine, embedder, clock)
+    col = p.create_collection("app", "facts")
+    p.add_document("app", col, DOCS[0])
+    for q in ("How tall is Mount Fuji?", "When did Fuji erupt?", "Where is Mount Fuji?"):
+        p.query("app", col, q, {"max_tokens": 4})
+    p.close()
+    q, _ = predictor(tmp_path, engine, embedder, clock)
+    assert q.known["app"]["pending"] == {col: True}
+    assert q.known["app"]["recent"][col] == ["How tall is Mount Fuji?", "When did Fuji erupt?", "Where is Mount Fuji?"]
+    assert q.idle.to_dict()["apps"] == p.idle.to_dict()["apps"]
+    assert q.idle.due_abstract("app", clock.t + 100) and q.idle.due_history("app", clock.t + 100)
+    q.close()
+
+
+def test_the_priority_lock_lets_low_priority_work_go_at_the_next_slice():
+    """By the order of events: background work holds the lock and runs slices; a real call comes and
+    waits; the work stops at its next slice; the real call runs."""
+    lock, events = PriorityLock(), []
+    started, waiting, release = threading.Event(), threading.Event(), threading.Event()
+
+    def background():
+        try:
+            with lock.background():
+                for i in range(1000):
+                    events.append(f"slice {i}")
+                    started.set()
+                    if i == 2:
+                        waiting.wait(10)  # the real call is waiting from here on
+                    if lock.should_yield():
+                        raise PreemptedError("yield")
+        except PreemptedError:
+            events.append("yielded")
+
+    def real():
+        with lock.real():
+            events.append("real call runs")
+            release.wait(10)
+
+    bg = threading.Thread(target=background)
+    bg.start()
+    started.wait(10)
+    rc = threading.Thread(target=real)
+    rc.start()
+    while not lock.should_yield():
+        pass
+    events.append("real call waits")
+    waiting.set()
+    bg.join(10)
+    release.set()
+    rc.join(10)
+    assert events[-2:] == ["yielded", "real call runs"] and "slice 3" not in events
+    assert lock.in_flight == 0 and lock.last_call > 0
+    # work that gets the lock while a real call waits for it gives it up before its first slice
+    lock._waiting = 1  # as `real` counts a call blocked on the lock
+    with pytest.raises(PreemptedError):
+        with lock.background():
+            events.append("never")
+    assert "never" not in events and not lock._lock.locked()
+
+
+def test_questions_are_parsed_from_numbered_or_bulleted_lines():
+    text = "1. How tall is Fuji?\n- When did it erupt?\n\nok\n2) how tall is fuji?\n* Where is the Nile?"
+    assert parse_questions(text, 5) == ["How tall is Fuji?", "When did it erupt?", "Where is the Nile?"]
+    assert parse_questions(text, 1) == ["How tall is Fuji?"]
+
+
+def test_mains_power_from_sysfs(tmp_path):
+    assert mains_power(str(tmp_path / "none")) is None
+    for name, kind, online in (("BAT0", "Battery", None), ("AC", "Mains", "0")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "type").write_text(kind + "\n")
+        if online is not None:
+            (tmp_path / name / "online").write_text(online + "\n")
+    assert mains_power(str(tmp_path)) is False
+    (tmp_path / "AC" / "online").write_text("1\n")
+    assert mains_power(str(tmp_path)) is True
