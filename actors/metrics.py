@@ -65,6 +65,21 @@ class Metrics:
                                 registry=r)
         self.restarts = Counter(p + "actor_restarts_total", "Restarts of a service actor after it failed (each "
                                 "restarted process counts its own start)", ["role"], registry=r)
+        self.rag_queries = Counter(p + "rag_queries_total", "RAG queries by the cache level that served them "
+                                   "(qa_bank, kv_tree, miss)", ["level"], registry=r)
+        self.qa_hits = Counter(p + "qa_bank_hits_total", "RAG queries answered from the QA bank", registry=r)
+        self.tree_hits = Counter(p + "kv_tree_hits_total", "RAG queries that reused passages' K/V from the K/V tree",
+                                 registry=r)
+        self.tree_tokens = Counter(p + "kv_tree_tokens_reused_total", "Passage tokens whose K/V came from the "
+                                   "K/V tree", registry=r)
+        self.retrieved_tokens = Counter(p + "rag_retrieved_tokens_total", "Passage tokens in RAG prompts (the "
+                                        "K/V hit rate's denominator)", registry=r)
+        self.rag_bytes = Gauge(p + "rag_cache_bytes", "RAG cache bytes by level (qa_bank, kv_tree)", ["level"],
+                               registry=r)
+        self.predicted = Counter(p + "predictor_queries_total", "Queries the query predictor ran in idle time",
+                                 registry=r)
+        self.predictor_seconds = Counter(p + "predictor_model_seconds_total", "Model seconds the query "
+                                         "predictor used in idle time", registry=r)
         self.port = 0
 
     def start(self, role: str, data_dir: str) -> int:
@@ -92,6 +107,14 @@ def init_executor_series(m: Metrics, policy: str) -> None:
     m.decode_seconds.labels(policy)
     for reason in ("planned", "fault"):
         m.recompute.labels(policy, reason)
+
+
+def init_predictor_series(m: Metrics) -> None:
+    """The query predictor's labelled series at zero."""
+    for level in ("qa_bank", "kv_tree", "miss"):
+        m.rag_queries.labels(level)
+    for level in ("qa_bank", "kv_tree"):
+        m.rag_bytes.labels(level)
 
 
 def targets_dir(data_dir: str) -> Path:

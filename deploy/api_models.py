@@ -48,6 +48,15 @@ STATUS: dict[str, int] = {
     "adapter_exists": 409,
     "adapter_in_use": 409,
     "adapter_unavailable": 409,
+    "collection_not_found": 404,
+    "document_not_found": 404,
+    "knowledge_chunk_not_found": 404,
+    "collection_exists": 409,
+    "collection_full": 409,
+    "document_too_large": 413,
+    "empty_document": 422,
+    "unknown_document_kind": 422,
+    "embedder_missing": 503,
 }
 """HTTP status of every error code the API answers with."""
 
@@ -253,3 +262,40 @@ def split_stateless(messages: list[Message]) -> tuple[str | None, list[tuple[str
     if any(r == "system" for r, _ in msgs):
         raise APIError("invalid_request", "a system message may only come first")
     return system, msgs[:-1], msgs[-1][1]
+
+
+# ---- RAG (deploy.rag_http) ---------------------------------------------------------------------------
+
+
+class CollectionBody(_Strict):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+
+
+class DocumentBody(_Strict):
+    content: Text
+    """The document's text (plain text, Markdown, or HTML, stripped to text)."""
+    name: Annotated[StrictStr, Field(max_length=256)] = ""
+    kind: Literal["text", "markdown", "html"] = "text"
+
+
+class RagQueryBody(Sampling):
+    query: Annotated[StrictStr, Field(min_length=1, max_length=8192)]
+    k: Annotated[StrictInt, Field(ge=1, le=32)] | None = None
+    """Passages retrieved (the server's `rag.k` when left out)."""
+    tau_query: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    """Similarity at or above which a stored question's answer is reused (the server's when left out)."""
+    stream: StrictBool = False
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CAP)] = 128
+
+    def params(self) -> dict:
+        out = dict(super().params(), k=self.k, tau_query=self.tau_query)
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class EmbeddingsBody(BaseModel):
+    """OpenAI's embeddings request; fields this service does not use are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    input: Annotated[StrictStr, Field(max_length=65536)] | Annotated[
+        list[Annotated[StrictStr, Field(max_length=65536)]], Field(min_length=1, max_length=256)]
+    model: Annotated[StrictStr, Field(max_length=256)] = ""

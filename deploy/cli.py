@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def _engine(args):
@@ -208,6 +209,60 @@ def cmd_adapters(args) -> int:
     return 0
 
 
+KINDS = {".md": "markdown", ".markdown": "markdown", ".html": "html", ".htm": "html"}
+"""Document kind by file suffix (`llmaas rag add`); anything else is plain text."""
+
+
+def _rag_files(paths: list[str]) -> list[Path]:
+    """The files named, folders walked for .txt, .md and .html files, in order."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in (".txt", ".md", ".markdown",
+                                                                                          ".html", ".htm"))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise SystemExit(f"llmaas: error: {p}: no such file or folder")
+    return out
+
+
+def cmd_rag(args) -> int:
+    client = _remote(args)
+    if args.action == "collections":
+        rows = client.collections()
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        for c in [] if args.json else rows:
+            print(f"{c['id']}  {c['name']}  {c['documents']} documents  {c['chunks']} passages")
+        return 0
+    col = client.collection(args.collection, create=args.action == "add")
+    if args.action == "add":
+        from tqdm import tqdm
+
+        files = _rag_files(args.items)
+        if not files:
+            raise SystemExit("llmaas: error: `rag add` needs files or folders of .txt, .md or .html files")
+        added = 0
+        for f in tqdm(files, desc=f"adding to {args.collection}", unit="doc", disable=not sys.stderr.isatty()):
+            d = client.add_document(col, f.read_text(errors="replace"), name=f.name,
+                                    kind=KINDS.get(f.suffix.lower(), "text"))
+            added += d["chunks"]
+        print(f"{len(files)} documents, {added} passages in {args.collection}", file=sys.stderr)
+        return 0
+    if not args.items:
+        raise SystemExit("llmaas: error: `rag ask` needs a question")
+    r = client.ask(col, " ".join(args.items), max_tokens=args.max_tokens, **({"k": args.k} if args.k else {}))
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    print(r["answer"])
+    c = r["cache"]
+    print(f"llmaas: {c['level']}, {c['chunks_reused']} passages and {c['tokens_reused']} tokens reused, "
+          f"{sum(r['latency'].values()) * 1000:.0f} ms", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args) -> int:
     from deploy.server import serve_forever
 
@@ -391,6 +446,19 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--json", action="store_true", help="print JSON (list)")
     _add_server_args(ad, required=True)
     ad.set_defaults(func=cmd_adapters)
+    rg = sub.add_parser("rag", help="add documents to an app's collection on a server, ask questions over it",
+                        description="RAG on a running server: `rag add FILE_OR_FOLDER...` adds .txt, .md and "
+                                    ".html files to the collection (made if missing), `rag ask QUESTION...` "
+                                    "answers from its passages (or from an earlier answer to a similar "
+                                    "question), `rag collections` lists them. Needs an app's token.")
+    rg.add_argument("action", choices=["add", "ask", "collections"])
+    rg.add_argument("items", nargs="*", help="files or folders (add), the question's words (ask)")
+    rg.add_argument("-c", "--collection", default="default", help="collection name (default: default)")
+    rg.add_argument("-k", type=int, default=0, help="passages retrieved (default: the server's)")
+    rg.add_argument("--max-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
+    rg.add_argument("--json", action="store_true", help="print JSON")
+    _add_server_args(rg, required=True)
+    rg.set_defaults(func=cmd_rag)
     pr = sub.add_parser("profile", help="measure recompute and read costs for the restore planner, cache them",
                         description="Measure T_re (recompute x chunks) and T_io (read and decode m bytes of "
                                     "chunk files) on this machine and cache the fitted profile per machine, "

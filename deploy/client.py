@@ -136,6 +136,40 @@ class Client:
     def remove_adapter(self, name: str, admin_token: str | None = None) -> None:
         self._req("DELETE", f"/v1/adapters/{requests.utils.quote(name, safe='')}", token=admin_token)
 
+    # ---- RAG ----------------------------------------------------------------------------------------
+    def create_collection(self, name: str) -> str:
+        return self._req("POST", "/v1/rag/collections", json={"name": name}).json()["id"]
+
+    def collections(self) -> list[dict]:
+        return self._req("GET", "/v1/rag/collections").json()["collections"]
+
+    def collection(self, name: str, create: bool = True) -> str:
+        """The id of the app's collection called `name`, made when missing and `create`."""
+        for c in self.collections():
+            if c["name"] == name:
+                return c["id"]
+        if not create:
+            raise ServiceError(404, "collection_not_found", f"no collection {name!r}")
+        return self.create_collection(name)
+
+    def delete_collection(self, collection: str) -> None:
+        self._req("DELETE", f"/v1/rag/collections/{collection}")
+
+    def add_document(self, collection: str, content: str, name: str = "", kind: str = "text") -> dict:
+        """Add a document (`text`, `markdown` or `html`); its description (id, chunks, ...)."""
+        return self._req("POST", f"/v1/rag/collections/{collection}/documents",
+                         json={"content": content, "name": name, "kind": kind}).json()
+
+    def documents(self, collection: str) -> list[dict]:
+        return self._req("GET", f"/v1/rag/collections/{collection}/documents").json()["documents"]
+
+    def delete_document(self, collection: str, document: str) -> int:
+        return self._req("DELETE", f"/v1/rag/collections/{collection}/documents/{document}").json()["chunks"]
+
+    def ask(self, collection: str, query: str, **params) -> dict:
+        """A question over a collection: `answer`, `sources`, `cache` (the level that served it), `latency`."""
+        return self._req("POST", f"/v1/rag/collections/{collection}/query", json={"query": query, **params}).json()
+
     # ---- more ---------------------------------------------------------------------------------------
     def contexts(self) -> list[dict]:
         return self._req("GET", "/v1/contexts").json()["contexts"]

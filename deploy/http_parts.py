@@ -1,15 +1,18 @@
-"""Pieces of the HTTP ingress that hold no route: its ASGI middleware (the body limit, the request
-counter), the limiter of calls in flight, and how a call's events become Server-Sent Events or one
-reply. `deploy.serve_app` wires them to the routes.
+"""Pieces of the HTTP ingress that hold no route: the FastAPI application the routes attach to (`api`),
+its ASGI middleware (the body limit, the request counter), the limiter of calls in flight, and how a
+call's events become Server-Sent Events or one reply. `deploy.serve_app` and `deploy.rag_http` wire
+them to the routes.
 """
 
 import asyncio
 import json
 from typing import Any
 
+from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 import deploy.settings as settings
+from deploy.api_docs import without_default_422
 from deploy.api_models import APIError
 
 
@@ -156,3 +159,15 @@ async def outcome(head: list, events) -> dict:
     finally:
         await chain.aclose()
     raise APIError("internal", "the call ended without an outcome")
+
+
+api = FastAPI(
+    title="llmaas",
+    version="0.1",
+    description="An LLM context service for edge devices: persistent per-app contexts whose KV caches are "
+                "compressed, swapped and recomputed so that switching between them is fast, and a RAG cache "
+                "that answers questions over an app's documents.",
+)
+api.openapi = lambda: without_default_422(FastAPI.openapi(api))  # FastAPI caches the document; this is idempotent
+api.add_middleware(BodyLimit)
+api.add_middleware(CountRequests)  # added last: outermost, so it also counts the body limit's 413s

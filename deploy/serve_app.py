@@ -24,7 +24,7 @@ from dataclasses import asdict, fields
 from typing import AsyncIterator
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
@@ -35,9 +35,9 @@ from actors.config import ServiceConfig, prepare_data_dir, tuning_from
 from actors.messages import CallOutcome
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
-from deploy.api_docs import (ACTORS, APP, BODY, CALL, CALL_HEADERS, CONTEXT, SSE_CALL, SSE_CHAT, WRITES, responses,
-                             without_default_422)
-from deploy.http_parts import BodyLimit, CountRequests, Limiter, outcome, sse_data, sse_response
+from deploy.api_docs import ACTORS, APP, BODY, CALL, CALL_HEADERS, CONTEXT, SSE_CALL, SSE_CHAT, WRITES, responses
+from deploy.http_parts import Limiter, api, outcome, sse_data, sse_response
+from deploy.rag_http import RagRoutes
 from deploy.api_models import (
     AdapterBody, APIError, BindBody, CallBody, ChatCompletionBody, NewContextBody, check_app_name, check_context_id,
     from_exception, reconcile, split_stateless,
@@ -89,18 +89,6 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
-api = FastAPI(
-    title="llmaas",
-    version="0.1",
-    description="An LLM context service for edge devices: persistent per-app contexts whose KV caches are "
-                "compressed, swapped and recomputed so that switching between them is fast.",
-)
-
-api.openapi = lambda: without_default_422(FastAPI.openapi(api))  # FastAPI caches the document; this is idempotent
-
-
-api.add_middleware(BodyLimit)
-api.add_middleware(CountRequests)  # added last: outermost, so it also counts the body limit's 413s
 
 
 @api.exception_handler(APIError)
@@ -192,7 +180,7 @@ def _call_reply(o: dict) -> dict:
     health_check_timeout_s=30,
 )
 @serve.ingress(api)
-class Ingress:
+class Ingress(RagRoutes):
     def __init__(self, service: "dict | None" = None, server: "dict | None" = None) -> None:
         from actors.ray_service import wire_ray
 
@@ -212,6 +200,7 @@ class Ingress:
         self.svc = wire_ray(self.cfg, model_path=self.server.model or None,
                             prefix=f"llmaas-{uuid.uuid4().hex[:8]}")
         self.gov, self.executor = self.svc.parts.gov, self.svc.parts.executor  # actor handles
+        self.predictor = self.svc.parts.predictor
         self.model_id = self.svc.model_id
         self._adapter_names: set[str] | None = None  # loaded adapters, as this replica last saw them
 

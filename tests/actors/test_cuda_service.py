@@ -367,3 +367,26 @@ def test_a_prefill_budget_that_only_streaming_fits(dev_engine, tmp_path):
             assert out.prefill_plan == "severe" and out.streamed_bytes > 0 and out.token_ids == want
     finally:
         svc.close()
+
+
+def test_a_rag_call_from_cached_nodes_on_the_device(dev_engine, tmp_path):
+    """actors.rag on the device: the head's and passages' K/V leave the device working set as raw
+    records and come back into it; the reply from cached nodes is the whole prefill's."""
+    from actors.messages import KVKey, NodeSpan, RagCall
+    from actors.rag import node_key, run_rag_call
+    from actors.swapio import KVSwapIO
+    from engine.rag import RagTemplate
+
+    io = KVSwapIO(str(tmp_path / "chunks"), KVKey("device-test", app="app"))
+    pr = RagTemplate(dev_engine.tok).build([dev_engine.tok.encode(passage(i)) for i in range(3)], "What is it about?")
+    nodes = [NodeSpan(node_key(io.key, ()), 0, pr.head)] + [
+        NodeSpan(node_key(io.key, list(range(i + 1))), a, b) for i, (a, b) in enumerate(pr.spans)]
+    ws = dev_engine.model.new_cache(MAX_CONTEXT)
+
+    def call(load, save):
+        return run_rag_call(dev_engine, io, RagCall("app", "", pr.ids, load, save, {"max_tokens": MAX_TOKENS}), cache=ws)
+
+    whole = call([], nodes)
+    assert ws.kv.device.type == torch.device(DEVICE).type and whole.token_ids
+    again = call(nodes[:3], [])
+    assert again.token_ids == whole.token_ids and again.reused_tokens == pr.spans[1][1]

@@ -93,6 +93,9 @@ def test_the_qa_bank_answers_a_similar_question_at_once_and_not_a_different_one(
     assert other.level != "qa_bank" and len(p.calls) == 2
     below = p.cache.query("app", col, "How tall is Mount Fuji?", tau_query=1.01, max_tokens=12)
     assert below.level != "qa_bank"
+    empty = p.bank.create_collection("app", "empty")  # nothing to retrieve: the question alone
+    nothing = p.cache.query("app", empty, "How tall is Mount Fuji?", max_tokens=4)
+    assert nothing.level == "miss" and nothing.sources == [] and nothing.retrieved_tokens == 0
 
 
 def test_apps_share_no_nodes_and_no_answers(tmp_path, engine, embedder):

@@ -25,8 +25,17 @@ ROUTES = {
     ("get", "/v1/adapters"): {401, 500, 503},
     ("delete", "/v1/adapters/{name}"): {401, 404, 409, 500, 503, 507},
     ("post", "/v1/chat/completions"): CALL,
+    ("post", "/v1/rag/collections"): {401, 409, 500, 503, 507} | BODY,
+    ("get", "/v1/rag/collections"): {401, 500, 503},
+    ("delete", "/v1/rag/collections/{collection}"): {401, 404, 500, 503, 507},
+    ("post", "/v1/rag/collections/{collection}/documents"): {401, 404, 409, 500, 503, 507} | BODY,
+    ("get", "/v1/rag/collections/{collection}/documents"): {401, 404, 500, 503},
+    ("delete", "/v1/rag/collections/{collection}/documents/{document}"): {401, 404, 500, 503, 507},
+    ("post", "/v1/rag/collections/{collection}/query"): {401, 404, 408, 429, 500, 503, 507} | BODY,
+    ("post", "/v1/embeddings"): {401, 500, 503} | BODY,
 }
-STREAMING = {("post", "/v1/contexts/{ctx}/calls"), ("post", "/v1/chat/completions")}
+CALLS = {("post", "/v1/contexts/{ctx}/calls"), ("post", "/v1/chat/completions")}
+STREAMING = CALLS | {("post", "/v1/rag/collections/{collection}/query")}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +77,10 @@ def test_the_error_body_schema(doc):
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_streaming_routes_answer_event_streams(doc, route):
     method, path = route
-    ok = doc["paths"][path][method]["responses"]["201" if path in ("/v1/apps", "/v1/contexts", "/v1/adapters") and method == "post"
+    ok = doc["paths"][path][method]["responses"]["201" if path in ("/v1/apps", "/v1/contexts", "/v1/adapters",
+                                                                  "/v1/rag/collections",
+                                                                  "/v1/rag/collections/{collection}/documents")
+                                                  and method == "post"
                                                   else "200"]
     assert "application/json" in ok["content"]
     assert ("text/event-stream" in ok["content"]) == (route in STREAMING)
@@ -81,6 +93,8 @@ def test_streaming_routes_answer_event_streams(doc, route):
 def test_call_routes_document_the_headers_they_read(doc, route):
     method, path = route
     params = {p["name"]: p for p in doc["paths"][path][method].get("parameters", []) if p["in"] == "header"}
-    assert set(params) >= {"Idempotency-Key", "X-Request-Timeout"}
+    assert set(params) >= ({"Idempotency-Key", "X-Request-Timeout"} if route in CALLS else {"X-Request-Timeout"})
+    if route not in CALLS:
+        return
     assert params["Idempotency-Key"]["schema"]["maxLength"] == 128
     assert params["X-Request-Timeout"]["schema"]["type"] == "number"

@@ -90,3 +90,19 @@ def test_adapters_add_list_delete(server, app, engine):
     assert r.returncode == 0
     r = llmaas("adapters", "delete", "cli-lora", "--url", server.url, token=server.admin)
     assert r.returncode == 1 and "unknown_adapter" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_rag_add_a_folder_then_ask(server, app, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "fuji.txt").write_text("Mount Fuji is 3,776 metres tall and last erupted in 1707.")
+    (tmp_path / "notes" / "nile.md").write_text("# Nile\n\nThe Nile flows north into the Mediterranean Sea.")
+    (tmp_path / "notes" / "skip.bin").write_bytes(b"\0\1")
+    r = llmaas("rag", "add", str(tmp_path / "notes"), "-c", "notes", "--url", server.url, token=app.token)
+    assert r.returncode == 0 and "2 documents" in r.stderr, r.stderr
+    r = llmaas("rag", "ask", "How", "tall", "is", "Mount", "Fuji?", "-c", "notes", "--max-tokens", "8",
+               "--url", server.url, token=app.token)
+    assert r.returncode == 0 and r.stdout.strip() and "miss" in r.stderr, r.stderr
+    r = llmaas("rag", "collections", "--url", server.url, token=app.token)
+    assert r.returncode == 0 and "notes  2 documents" in r.stdout
+    r = llmaas("rag", "ask", "anything", "-c", "missing", "--url", server.url, token=app.token)
+    assert r.returncode == 1 and "collection_not_found" in r.stderr and "Traceback" not in r.stderr

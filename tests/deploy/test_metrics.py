@@ -84,7 +84,7 @@ def wait_for(fn, timeout: float, what: str):
 
 
 def test_every_dashboard_query_returns_data(server, prometheus):
-    roles = {"ingress", "executor", "governor", "io"}
+    roles = {"ingress", "executor", "governor", "io", "predictor"}
     wait_for(lambda: roles <= {s["metric"]["role"] for s in query(prometheus, 'up{job="llmaas"} == 1')},
              60, "Prometheus to scrape every role")  # the baseline: every series scraped once, at 0
     # a short workload: contexts that do not all fit the 2 MiB pool, so chunks are swapped and restored

@@ -274,6 +274,23 @@ def test_exported_chunks_import_into_a_new_cache_bit_exact(prefilled):
         assert np.array_equal(ca2, arrays[2])
 
 
+def test_rag_spans_move_through_the_host_and_continue_exactly(prefilled):
+    """engine.rag: slots at any offset copied to host arrays (bfloat16 as its bits) and put back into a
+    fresh cache, through that cache's own slots; the continuation's logits are those of the
+    uninterrupted cache, as a RAG call's from cached nodes are."""
+    from engine.rag import put_span, span_kv
+
+    m, cache, logits, more = prefilled
+    cuts = [0, 23, 61, N_PROMPT]
+    spans = [span_kv(cache, a, b) for a, b in zip(cuts, cuts[1:])]
+    assert spans[0].dtype == (np.float32 if m.dtype == torch.float32 else np.uint16)
+    fresh = m.new_cache(cache.capacity)
+    for a, kv in zip(cuts, spans):
+        put_span(fresh, a, kv)
+    assert fresh.length == N_PROMPT and torch.equal(fresh.kv[:, :, :, :N_PROMPT], cache.kv[:, :, :, :N_PROMPT])
+    assert torch.equal(m.forward(clone_cache(m, cache), more, all_logits=True), m.forward(fresh, more, all_logits=True))
+
+
 LEVELS = ["raw", "fp16", "bf16", "q8", "q4", "q2"]
 
 
