@@ -134,9 +134,12 @@ class QueryPredictor:
         self.store.delete_collection_qa(app, collection)
 
     def add_document(self, app: str, collection: str, content: str, name: str = "", kind: str = "text") -> str:
+        """Add a document; stored answers whose questions would now retrieve its passages lose their
+        answer (PerCache §4.1.3), to be decoded again in idle time."""
         known = {d["id"] for d in self.documents(app, collection)}
         doc = self.bank.add_document(app, collection, content, name=name, kind=kind)
         if doc not in known:
+            self.rag.refresh(app, collection, [c.id for c in self.bank.chunks(app, doc)])
             with self._lock:
                 self.idle.documents_added(app, self.clock())
                 self._app(app)["pending"][collection] = True
@@ -175,12 +178,33 @@ class QueryPredictor:
             self.idle.calls_seen(*self.executor.activity())
             self.idle.set_power(self.power())
             for app in self.idle.apps():
-                work = self.idle.next_work(app, now) if self.idle.may_work(app, now).ok else None
-                if work is not None:
-                    done.append(self._round(app, work, now))
-                    if done[-1].get("preempted"):
-                        break
-        return done
+                if not self.idle.may_work(app, now).ok:
+                    continue
+                work = self.idle.next_work(app, now)
+                done.append(self._round(app, work, now) if work is not None else self._answer_pending(app, now))
+                if done[-1].get("preempted"):
+                    break
+        return [d for d in done if d["questions"] or d.get("preempted")]
+
+    def _answer_pending(self, app: str, now: float) -> dict:
+        """Decode up to `stride` stored questions without an answer (refreshed ones, and predicted ones
+        prefilled only), when the cache scheduler says decoding pays (PerCache §4.3.3)."""
+        out = {"app": app, "kind": "answers", "collection": None, "questions": [], "model_s": 0.0}
+        if not self.scheduler.populate(self.rag.config.tau_query).decode:
+            return out
+        t0 = time.perf_counter()
+        try:
+            for e in self.rag.unanswered(app)[:self.idle.policy.stride]:
+                self.rag.query(app, e.collection, e.question, adapter=e.adapter, predicted=e.predicted,
+                               background=True, replaces=e.id)
+                out["questions"].append(e.question)
+        except PreemptedError:
+            out["preempted"] = True
+        out["model_s"] = time.perf_counter() - t0
+        if out["questions"] or out.get("preempted"):
+            self.idle.spend(app, out["model_s"], now)
+            self._save(app)
+        return out
 
     def _round(self, app: str, work: PredictRound, now: float) -> dict:
         known = self._app(app)

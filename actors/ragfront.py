@@ -23,7 +23,7 @@ import numpy as np
 from actors.config import RagConfig
 from actors.messages import KVKey, NodeSpan, RagCall, RagOutcome
 from actors.rag import node_key
-from scheduler.ragcache import match_query, plan_qa_eviction, QAEntry
+from scheduler.ragcache import QAEntry, match_query, plan_qa_eviction, refresh_candidates
 from scheduler.ragtree import KVTree, plan_tree_eviction
 from storage.ragstore import QAEntryNotFoundError
 
@@ -92,11 +92,12 @@ class RagCache:
     # ---- a query -------------------------------------------------------------------------------------
     def query(self, app: str, collection: str, question: str, *, k: int | None = None, tau_query: float | None = None,
               adapter: str = "", decode: bool = True, predicted: bool = False, background: bool = False,
-              **params) -> RagAnswer:
+              replaces: int | None = None, **params) -> RagAnswer:
         """Answer `question` over `collection` (an id of `app`'s); `params`: sampling (`max_tokens`,
         `temperature`, ...). `decode=False` populates the K/V tree only (a predicted query, PerCache
         §4.3.2); `predicted` marks what it stores as the predictor's; `background` runs the model at
-        low priority (`RagCall.background`: `PreemptedError` when a real call comes)."""
+        low priority (`RagCall.background`: `PreemptedError` when a real call comes); `replaces`: the
+        QA entry of the same question that this answer replaces (its answer was stale)."""
         cfg = self.config
         k = cfg.k if k is None else k
         tau = cfg.tau_query if tau_query is None else tau_query
@@ -125,6 +126,8 @@ class RagCache:
         reused_tokens = max(0, out.reused_tokens - prompt.head) if reused_nodes else 0
         if cfg.qa_bank and (decode or predicted):
             self._remember(app, collection, adapter, question, q, out.text if decode else None, path, predicted)
+            if replaces is not None:
+                self.store.delete_qa(app, [replaces])
         return RagAnswer(
             answer=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
             level="kv_tree" if reused_nodes else "miss",
@@ -215,7 +218,30 @@ class RagCache:
         if victims:
             self.store.delete_qa(app, victims)
 
-    # ---- documents leaving -----------------------------------------------------------------------
+    # ---- documents arriving and leaving ------------------------------------------------------------
+    def refresh(self, app: str, collection: str, new_chunks) -> list[int]:
+        """New passages of `collection`: the stored answers whose question now retrieves one of them in
+        its top k lose their answer (PerCache §4.1.3); the question stays, to be decoded again
+        (`unanswered`). Returns the entries made stale."""
+        stale = []
+        for adapter in {"", *self.store.trees(app)}:
+            ids, vecs = self.store.qa_vectors(app, collection, adapter)
+            answered = {e.id: e for e in self.store.qa_entries(app, collection, adapter) if e.answer is not None}
+            rankings = {int(i): [int(h.chunk) for h in self.bank.search(app, collection, answered[int(i)].question,
+                                                                         self.config.k, vector=v)]
+                        for i, v in zip(ids, vecs) if int(i) in answered}
+            for e in refresh_candidates([int(c) for c in new_chunks], rankings, self.config.k):
+                self.store.set_answer(app, e, None)
+                stale.append(int(e))
+        return stale
+
+    def unanswered(self, app: str) -> list:
+        """The app's stored questions without an answer, most hit first (`storage.ragstore.QAEntryRow`)."""
+        rows = [e for c in self.bank.collections(app) for adapter in {"", *self.store.trees(app)}
+                for e in self.store.qa_entries(app, c.id, adapter) if e.answer is None]
+        return sorted(rows, key=lambda e: (-e.hits, e.id))
+
+
     def chunks_deleted(self, app: str, chunk_ids) -> None:
         """Knowledge chunks of `app` were deleted: every node of them (and below them) goes, with the
         QA entries whose answers came from them (PerCache §4.1.3)."""

@@ -31,7 +31,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors import retry
-from actors.config import ServiceConfig, prepare_data_dir, tuning_from
+from actors.config import RagConfig, ServiceConfig, prepare_data_dir, tuning_from
 from actors.messages import CallOutcome
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
@@ -495,7 +495,7 @@ def app_options(args: dict | None) -> tuple[dict, dict]:
     names and bad values fail here, before anything starts."""
     svc_keys = {f.name: f.type for f in fields(ServiceConfig)}
     srv_keys = {f.name: f.type for f in fields(ServerConfig)}
-    service, server, tuning = {}, {}, {}
+    service, server, tuning, rag = {}, {}, {}, {}
     for k, v in dict(args or {}).items():
         if k == "tuning":  # a config file's mapping
             if not isinstance(v, dict):
@@ -503,6 +503,12 @@ def app_options(args: dict | None) -> tuple[dict, dict]:
             tuning.update(v)
         elif k.startswith("tuning."):  # `serve run ... tuning.NAME=VALUE`
             tuning[k.removeprefix("tuning.")] = v
+        elif k == "rag":
+            if not isinstance(v, dict):
+                raise ValueError(f"rag takes a mapping of option names to values, got {v!r}")
+            rag.update(v)
+        elif k.startswith("rag."):
+            rag[k.removeprefix("rag.")] = v
         elif k in svc_keys:
             service[k] = _coerce(v, getattr(ServiceConfig(), k))
         elif k in srv_keys:
@@ -512,6 +518,12 @@ def app_options(args: dict | None) -> tuple[dict, dict]:
     if tuning:
         tuning_from(tuning)
         service["tuning"] = tuning
+    if rag:
+        known = {f.name: getattr(RagConfig(), f.name) for f in fields(RagConfig)}
+        unknown = sorted(set(rag) - set(known))
+        if unknown:
+            raise ValueError(f"unknown rag options {unknown}; valid: {sorted(known)}")
+        service["rag"] = {k: _coerce(v, known[k]) for k, v in rag.items()}
     service.setdefault("data_dir", os.environ.get("LLMAAS_DATA_DIR", "./data"))
     service["data_dir"] = os.path.abspath(os.path.expanduser(service["data_dir"]))
     return service, server

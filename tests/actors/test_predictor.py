@@ -11,6 +11,7 @@ import pytest
 from actors.config import RagConfig
 from actors.messages import KVKey, PreemptedError, RagCall
 from actors.predictor import QueryPredictor, mains_power, parse_questions
+from scheduler.ragcache import IdlePolicy
 from actors.priority import PriorityLock
 from actors.rag import run_rag_call
 from actors.swapio import KVSwapIO
@@ -45,12 +46,12 @@ class Executor:
         return self.last, self.running
 
 
-def predictor(tmp_path, engine, embedder, clock, **cfg):
+def predictor(tmp_path, engine, embedder, clock, idle=None, **cfg):
     io = KVSwapIO(str(tmp_path / "chunks"), KVKey(engine.model.fingerprint or "m"))
     ex = Executor(engine, io)
     config = RagConfig(k=2, max_tokens=6, idle_after_s=30, stride=2, **cfg)
     p = QueryPredictor(str(tmp_path), engine.tok, ex, io.delete_context, io.key, config, embed=embedder.embed,
-                       clock=clock, power=lambda: None)
+                       clock=clock, power=lambda: None, idle=idle)
     return p, ex
 
 
@@ -76,6 +77,24 @@ def test_it_predicts_only_when_idle_and_due_and_fills_both_levels(tmp_path, engi
     assert all(e.answer for e in entries) and len(p.rag.tree("app")) >= 1
     assert p.tick(clock.t + 90) == []  # nothing new is due
     assert p.idle.spent_today("app", clock.t + 90) > 0
+
+
+def test_idle_time_decodes_the_answers_a_new_document_made_stale(tmp_path, engine, embedder):
+    clock = Clock()
+    no_rounds = IdlePolicy(idle_after_s=30, abstract_quiet_s=1e9, stride=2)  # only the stale answer to do
+    p, ex = predictor(tmp_path, engine, embedder, clock, idle=no_rounds)
+    col = p.create_collection("app", "facts")
+    p.add_document("app", col, DOCS[0])
+    assert p.query("app", col, "How tall is Mount Fuji?", {"max_tokens": 6}).level == "miss"
+    p.add_document("app", col, "Mount Fuji was measured again in 2026: it is 3,777 metres tall.")
+    assert [e.question for e in p.rag.unanswered("app")] == ["How tall is Mount Fuji?"]
+    n = len(ex.calls)
+    (done,) = p.tick(clock.t + 100)
+    assert done["kind"] == "answers" and done["questions"] == ["How tall is Mount Fuji?"]
+    assert p.rag.unanswered("app") == [] and len(ex.calls) == n + 1 and ex.calls[-1].background
+    (entry,) = p.store.qa_entries("app", col, "")
+    assert entry.answer and not entry.predicted
+    assert p.tick(clock.t + 200) == []
 
 
 def test_a_real_call_takes_the_executor_back_and_the_round_stays_pending(tmp_path, engine, embedder):

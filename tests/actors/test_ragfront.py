@@ -142,3 +142,21 @@ def test_deleting_a_document_drops_its_nodes_and_the_answers_it_gave(tmp_path, e
     again = p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=8)
     assert again.level != "qa_bank"  # the stored answer came from the deleted passage
     assert all(s["document"] != docs["fuji"] for s in again.sources)
+
+
+def test_a_later_document_that_ranks_for_a_stored_question_makes_its_answer_stale(tmp_path, engine, embedder):
+    p = Parts(tmp_path, engine, embedder, tau_query=0.9)
+    col, _ = p.add("app")
+    p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=8)
+    p.cache.query("app", col, "Where does the Amazon flow?", max_tokens=8)
+    unrelated = p.bank.add_document("app", col, "Bread is baked from flour, water, salt and yeast.")
+    assert p.cache.refresh("app", col, [c.id for c in p.bank.chunks("app", unrelated)]) == []
+    news = p.bank.add_document("app", col, "Mount Fuji was measured again in 2026: it is 3,777 metres tall.")
+    (stale,) = p.cache.refresh("app", col, [c.id for c in p.bank.chunks("app", news)])
+    assert p.store.qa_entry("app", stale).question == "How tall is Mount Fuji?"
+    assert [e.id for e in p.cache.unanswered("app")] == [stale]
+    again = p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=8, replaces=stale)
+    assert again.level != "qa_bank" and news in {s["document"] for s in again.sources}
+    assert p.cache.unanswered("app") == [] and {e.question for e in p.store.qa_entries("app", col, "")} == {
+        "How tall is Mount Fuji?", "Where does the Amazon flow?"}
+    assert p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=8).level == "qa_bank"

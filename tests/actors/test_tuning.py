@@ -52,6 +52,13 @@ def test_serve_options_take_tuning_keys_and_a_config_files_mapping(tmp_path):
         app_options({"data_dir": str(tmp_path), "tuning.nope": "1"})
     with pytest.raises(ValueError, match="tuning takes a mapping"):
         app_options({"data_dir": str(tmp_path), "tuning": "fast"})
+    # the RAG cache's options the same two ways
+    service, _server = app_options({"data_dir": str(tmp_path), "rag.predict": "false", "rag.idle_after_s": "30",
+                                    "rag": {"k": 3}})
+    assert (ServiceConfig(**service).rag.predict, ServiceConfig(**service).rag.idle_after_s,
+            ServiceConfig(**service).rag.k) == (False, 30.0, 3)
+    with pytest.raises(ValueError, match="unknown rag options"):
+        app_options({"data_dir": str(tmp_path), "rag.nope": "1"})
 
 
 def test_streaming_stores_switch_turns_non_temporal_stores_off():
