@@ -210,6 +210,15 @@ class ChatCompletionBody(Sampling):
     context_id: StrictStr | None = None
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_CAP)] | None = None
+    rag: "RagExtension | None" = None
+    """This service's extension: answer the last user message over a collection (the RAG cache)."""
+
+
+class RagExtension(_Strict):
+    collection: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    """A collection id of the app's."""
+    k: Annotated[StrictInt, Field(ge=1, le=32)] | None = None
+    tau_query: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
 
 
 # ---- stateful OpenAI calls ---------------------------------------------------------------------------
@@ -299,3 +308,6 @@ class EmbeddingsBody(BaseModel):
     input: Annotated[StrictStr, Field(max_length=65536)] | Annotated[
         list[Annotated[StrictStr, Field(max_length=65536)]], Field(min_length=1, max_length=256)]
     model: Annotated[StrictStr, Field(max_length=256)] = ""
+
+
+ChatCompletionBody.model_rebuild()

@@ -8,6 +8,8 @@ annotations as real types.)
 """
 
 import re
+import time
+import uuid
 from dataclasses import asdict
 
 from fastapi import Request
@@ -118,6 +120,43 @@ class RagRoutes:
             return sse_response([reply["answer"], reply], none(), lambda d: {"delta": d},
                                 lambda r: {"done": True, **r})
         return reply
+
+    async def rag_chat(self, app: str, body, params: dict, request: Request):
+        """`/v1/chat/completions` with `rag: {collection, k, tau_query}`: the last user message is the
+        question; the reply is a chat completion with this service's `rag` field (the query route's
+        `cache`, `sources` and `latency`). Not on a context."""
+        if body.context_id is not None:
+            raise APIError("invalid_request", "rag and context_id cannot be combined: a RAG question is not a turn")
+        msgs = [m for m in body.messages if m.role == "user"]
+        if not msgs or body.messages[-1].role != "user":
+            raise APIError("invalid_request", "the last message must be a user turn (the question)")
+        col = _check(body.rag.collection, "collection_not_found")
+        extra = {k: v for k, v in (("k", body.rag.k), ("tau_query", body.rag.tau_query)) if v is not None}
+        sampling = {k: params[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
+        timeout = self._timeout(request)
+        await self.limiter.acquire(timeout)
+        try:
+            answer = await self._do(self.predictor.query, app, col, body.messages[-1].content, {**sampling, **extra})
+        finally:
+            self.limiter.release()
+        r = rag_reply(asdict(answer))
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model or self.model_id}
+        more = {"rag": {"cache": r["cache"], "sources": r["sources"], "latency": r["latency"]}}
+        if body.stream:
+            def chunk(delta: dict, finish=None, **rest) -> dict:
+                return {**base, "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **rest}
+
+            async def none():
+                return
+                yield
+
+            return sse_response([r["answer"], r], none(), lambda d: chunk({"content": d}),
+                                lambda o: chunk({}, o["finish_reason"], usage=o["usage"], **more),
+                                first=chunk({"role": "assistant", "content": ""}))
+        return {**base, "object": "chat.completion", "usage": r["usage"], **more,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": r["answer"]},
+                             "finish_reason": r["finish_reason"]}]}
 
     # ---- embeddings ---------------------------------------------------------------------------------
     @api.post("/v1/embeddings", tags=["openai"], responses=responses(*APP, *BODY, *ACTORS, "embedder_missing"))

@@ -439,12 +439,14 @@ class Ingress(RagRoutes):
 
     @api.post("/v1/chat/completions", tags=["openai"], openapi_extra=CALL_HEADERS, responses=responses(
         *APP, *BODY, *CONTEXT, *ACTORS, *WRITES, *CALL, "conversation_conflict", "model_not_found",
-        "model_mismatch", "adapter_unavailable", stream=SSE_CHAT))
+        "model_mismatch", "adapter_unavailable", "collection_not_found", stream=SSE_CHAT))
     async def chat_completions(self, body: ChatCompletionBody, request: Request):
         app = await self._app(request)
         params = dict(body.params(), progress=body.stream)
         if body.max_completion_tokens is not None:
             params["max_tokens"] = body.max_completion_tokens
+        if body.rag is not None:  # the last user message, answered over a collection (deploy.rag_http)
+            return await self.rag_chat(app, body, params, request)
         if body.context_id is not None:
             ctx = check_context_id(body.context_id)
             info = await self._do(self.gov.describe, ctx, app)

@@ -84,6 +84,18 @@ def test_documents_are_added_asked_about_and_deleted(server, tokens):
     done = json.loads(events[-2])
     assert done["done"] is True and "".join(json.loads(e)["delta"] for e in events[:-2]) == done["answer"]
 
+    # the OpenAI route with this service's `rag` extension: the last user message is the question
+    from openai import OpenAI
+
+    chat = OpenAI(base_url=f"{url}/v1", api_key=a).chat.completions.create(
+        model="", messages=[{"role": "user", "content": ask["query"]}], max_tokens=12,
+        extra_body={"rag": {"collection": col, "k": 2}})
+    assert chat.choices[0].message.content == first["answer"]
+    assert chat.model_extra["rag"]["cache"]["level"] == "qa_bank"
+    r = requests.post(f"{url}/v1/chat/completions", headers=_h(a), json={
+        "messages": [{"role": "user", "content": "hi"}], "context_id": "0" * 32, "rag": {"collection": col}})
+    assert _err(r) == (422, "invalid_request")
+
     # deleting a document drops its passages, their cached K/V and the answers they gave
     r = requests.delete(f"{url}/v1/rag/collections/{col}/documents/{docs['fuji']}", headers=_h(a))
     assert r.status_code == 200 and r.json()["chunks"] >= 1
