@@ -1,0 +1,563 @@
+"""The RAG cache against its baselines (PerCache §5.2-5.7): end-to-end latency, QA and K/V hit rates,
+idle model time, cache bytes and answer quality, per system, on the frozen users of `bench.rag_data`.
+
+Systems are configurations of the same code (`RagConfig` switches; the same k, max_tokens, tau_query,
+stride and idle budget for all):
+
+- `Naive`: neither cache level, no prediction;
+- `RAGCache-like`: the K/V tree alone; `MeanCache-like`: the QA bank alone;
+- `Sleep-time-compute-like`: the QA bank filled by the query predictor in idle time;
+- `RAGCache+MeanCache`: both levels, no prediction; `RAGCache+SC`: the K/V tree and prediction;
+- `PerCache`: both levels and prediction.
+
+Each (question set, user, system) runs in a fresh data directory: the user's documents go into one
+collection through the query predictor, then the user's questions are asked in their order, one every
+`--gap` seconds of a virtual clock (the benchmark never sleeps). Where the system predicts, the
+predictor's `tick` runs between questions once the device counts as idle; its model-seconds are
+counted apart from the queries' latency, which is the wall time of `QueryPredictor.query`.
+
+Quality: ROUGE-L F1 of each answer against the Naive system's answer to the same question, and the
+paraphrase baseline, the mean ROUGE-L between Naive's own answers within a paraphrase group. Floors
+(printed PASS/FAIL, not asserted): PerCache's mean latency at least 15% below the best other system's
+(goal 30%); prediction raises the K/V hit rate by at least 10 points (PerCache against
+RAGCache+MeanCache); the QA-served answers' mean ROUGE-L at least 0.9 x the paraphrase baseline;
+exact reuse never changes an answer (RAGCache-like's reply ids equal Naive's).
+
+    python -m bench.rag [--users user0 ...] [--which main|heldout|both] [--systems ...] [--limit N]
+                        [--sensitivity] [--plot] [--out docs/results/rag] [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+NAME = "rag"
+HEADING = "## RAG cache (PerCache)"
+APP = "bench"
+SYSTEMS = {  # name -> RagConfig switches (qa_bank, kv_tree) and whether the predictor ticks
+    "Naive": dict(qa_bank=False, kv_tree=False, predict=False),
+    "RAGCache-like": dict(qa_bank=False, kv_tree=True, predict=False),
+    "MeanCache-like": dict(qa_bank=True, kv_tree=False, predict=False),
+    "Sleep-time-compute-like": dict(qa_bank=True, kv_tree=False, predict=True),
+    "RAGCache+MeanCache": dict(qa_bank=True, kv_tree=True, predict=False),
+    "RAGCache+SC": dict(qa_bank=False, kv_tree=True, predict=True),
+    "PerCache": dict(qa_bank=True, kv_tree=True, predict=True),
+}
+NAIVE, OURS, NO_PREDICTION, EXACT = "Naive", "PerCache", "RAGCache+MeanCache", "RAGCache-like"
+LATENCY_FLOOR, LATENCY_GOAL = 0.15, 0.30
+"""PerCache's mean latency below the best other system's, as a fraction of the latter."""
+KV_FLOOR = 0.10
+"""K/V hit rate points that prediction adds (PerCache against RAGCache+MeanCache)."""
+ROUGE_FLOOR = 0.9
+"""QA-served answers' mean ROUGE-L against the paraphrase baseline."""
+T0 = 20000 * 86400.0
+"""Virtual start, a UTC midnight: a run's idle budget is one day's."""
+ROUNDS_PER_GAP = 4
+"""Most prediction rounds between two questions."""
+STRIDES = (1, 2, 3, 4, 5)
+TAUS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- ROUGE-L ----------------------------------------------------------------------------------------
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased alphanumeric tokens (rouge-score's default tokenizer, without stemming)."""
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def lcs(a: list[str], b: list[str]) -> int:
+    """Length of the longest common subsequence of `a` and `b`."""
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l_f1(reference: str, candidate: str) -> float:
+    """ROUGE-L F1 over `words`; 0.0 when either side has no word (as rouge-score scores it)."""
+    ref, cand = words(reference), words(candidate)
+    n = lcs(ref, cand)
+    if not n:
+        return 0.0
+    p, r = n / len(cand), n / len(ref)
+    return 2 * p * r / (p + r)
+
+
+def rouge_scorer():
+    """(score(reference, candidate) -> F1, its name): rouge-score's ROUGE-L when installed (the bench
+    extra), else `rouge_l_f1`."""
+    try:
+        from rouge_score import rouge_scorer as rs
+    except ImportError:
+        return rouge_l_f1, "ROUGE-L F1 by this script's LCS over lower-cased words (rouge-score not installed)"
+    scorer = rs.RougeScorer(["rougeL"], use_stemmer=False)
+    return (lambda ref, cand: scorer.score(ref, cand)["rougeL"].fmeasure), "rouge-score's ROUGE-L F1, no stemmer"
+
+
+# ---- one run ------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Query:
+    """One user question as a system answered it."""
+
+    question: str  # its id in bench.rag_data
+    group: str  # its paraphrase group ("" for a distinct question)
+    level: str  # RagAnswer.level: qa_bank, kv_tree or miss
+    e2e_s: float  # wall seconds of QueryPredictor.query
+    reused_tokens: int  # passage tokens whose K/V came from the tree
+    retrieved_tokens: int  # passage tokens in the prompt (0 for a QA bank answer)
+    prompt_tokens: int  # ids of the prompt (0 for a QA bank answer)
+    answer: str
+    stages: dict = field(default_factory=dict)  # RagAnswer.latency: seconds by stage (embed, retrieve, ...)
+    token_ids: list[int] = field(default_factory=list)  # the reply's ids (empty from the QA bank)
+
+
+@dataclass(slots=True)
+class Run:
+    """One system over one user's question set, in a fresh data directory."""
+
+    which: str  # question set: main or heldout
+    user: str
+    system: str  # a key of SYSTEMS
+    setting: str  # "" for the default knobs, else the sensitivity setting (e.g. "stride=3")
+    queries: list[Query]
+    idle_model_s: float = 0.0  # sum of the predictor's rounds' model_s
+    idle_tick_s: float = 0.0  # wall seconds of every tick (rounds that produced no question included)
+    rounds: int = 0  # prediction rounds reported by tick
+    predicted: int = 0  # questions those rounds predicted
+    cache_bytes: dict = field(default_factory=dict)  # RagStore.total_bytes() at the end
+    wall_s: float = 0.0  # the whole run, ingestion included
+
+
+class Clock:
+    """The virtual clock every part of a run reads (seconds)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Executor:
+    """The executor port's `rag_call` and `activity`, in process: the model runs here, and the last
+    real call is the last user question, on the virtual clock (0.0: none yet)."""
+
+    def __init__(self, engine, io) -> None:
+        self.engine, self.io, self.last = engine, io, 0.0
+
+    def rag_call(self, call):
+        from actors.rag import run_rag_call
+
+        return run_rag_call(self.engine, self.io, call, should_stop=None)
+
+    def activity(self) -> tuple[float, int]:
+        return self.last, 0
+
+
+def rag_config(args, system: str, **overrides):
+    from actors.config import RagConfig
+
+    knobs = dict(k=args.k, max_tokens=args.max_tokens, tau_query=args.tau_query, stride=args.stride,
+                 idle_after_s=args.idle_after, predict_budget_s=args.budget, **SYSTEMS[system])
+    return RagConfig(**{**knobs, **overrides})
+
+
+def run_one(engine, embedder, user: str, which: str, system: str, args, setting: str = "", **overrides) -> Run:
+    """Ingest `user`'s documents, then ask their questions one every `args.gap` virtual seconds,
+    predicting between them where the system does."""
+    from actors.messages import KVKey
+    from actors.predictor import QueryPredictor
+    from actors.swapio import KVSwapIO
+    from bench import rag_data
+
+    cfg = rag_config(args, system, **overrides)
+    out = Run(which, user, system, setting, [])
+    folder = tempfile.mkdtemp(prefix="rag-bench-", dir=args.tmp)
+    t_run = time.perf_counter()
+    clock = Clock(T0)
+    io = KVSwapIO(os.path.join(folder, "chunks"), KVKey(engine.fingerprint))
+    ex = Executor(engine, io)
+    pred = QueryPredictor(folder, engine.tok, ex, io.delete_context, io.key, cfg, embed=embedder.embed,
+                          clock=clock, power=lambda: None)
+    try:
+        col = pred.create_collection(APP, "documents")
+        for topic, text in rag_data.documents(user):  # one a second: the bank orders them by arrival
+            clock.t += 1.0
+            pred.add_document(APP, col, text, name=topic)
+        t_docs = clock.t
+        policy = pred.idle.policy
+        wait = max(cfg.idle_after_s, policy.abstract_quiet_s, policy.history_quiet_s) + 1.0
+        qs = rag_data.questions(user, which)[:args.limit or None]
+        label = f"{which} {user} {system}{' ' + setting if setting else ''}"
+        for i, q in enumerate(qs):
+            t_q = t_docs + (i + 1) * args.gap
+            if SYSTEMS[system]["predict"]:
+                idle(pred, clock, out, max(ex.last, t_docs) + wait, t_q)
+            clock.t = t_q
+            t = time.perf_counter()
+            ans = pred.query(APP, col, q["text"], {})
+            e2e = time.perf_counter() - t
+            ex.last = clock.t
+            out.queries.append(Query(q["id"], q["group"] or "", ans.level, e2e, ans.reused_tokens,
+                                     ans.retrieved_tokens, ans.prompt_tokens, ans.answer, dict(ans.latency),
+                                     list(ans.token_ids)))
+            log(f"[{label}] {i + 1}/{len(qs)} {q['id']}: {ans.level}, {e2e:.2f} s ("
+                + ", ".join(f"{k} {v:.2f}" for k, v in ans.latency.items()) + f"), reused "
+                f"{ans.reused_tokens}/{ans.retrieved_tokens} tokens")
+        out.cache_bytes = pred.store.total_bytes()
+    finally:
+        pred.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    out.wall_s = time.perf_counter() - t_run
+    return out
+
+
+def idle(pred, clock: Clock, out: Run, start: float, deadline: float) -> None:
+    """Idle time from `start` to `deadline` (virtual): prediction rounds while any is due, the clock
+    moving on by each round's model time."""
+    now, rounds = start, 0
+    while now < deadline and rounds < ROUNDS_PER_GAP:
+        clock.t = now
+        t = time.perf_counter()
+        done = pred.tick(now)
+        out.idle_tick_s += time.perf_counter() - t
+        if not done:
+            return
+        spent = sum(d["model_s"] for d in done)
+        out.idle_model_s += spent
+        out.rounds += len(done)
+        out.predicted += sum(len(d["questions"]) for d in done)
+        rounds += len(done)
+        now += max(1.0, spent)
+
+
+# ---- summaries -------------------------------------------------------------------------------------------
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The `q` quantile (0..1) of `xs`, linear between ranks (numpy's default)."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def mean(xs) -> float | None:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def reference(runs: list[Run]) -> dict[tuple[str, str], Query]:
+    """(user, question id) -> the Naive system's answer (default knobs)."""
+    return {(r.user, q.question): q for r in runs if r.system == NAIVE and not r.setting for q in r.queries}
+
+
+def stats(runs: list[Run], ref: dict, score) -> dict:
+    """One system's numbers pooled over its runs (users)."""
+    pairs = [(r.user, q) for r in runs for q in r.queries]
+    qs = [q for _, q in pairs]
+    scored = [(q, score(ref[(u, q.question)].answer, q.answer)) for u, q in pairs if (u, q.question) in ref]
+    exact = [q.token_ids == ref[(u, q.question)].token_ids for u, q in pairs
+             if (u, q.question) in ref and q.level != "qa_bank"]
+    retrieved = sum(q.retrieved_tokens for q in qs)
+    return {
+        "queries": len(qs),
+        "mean_s": mean(q.e2e_s for q in qs), "p90_s": percentile([q.e2e_s for q in qs], 0.9),
+        "qa_hit": mean(q.level == "qa_bank" for q in qs),
+        "kv_hit": sum(q.reused_tokens for q in qs) / retrieved if retrieved else 0.0,
+        "idle_model_s": sum(r.idle_model_s for r in runs), "idle_tick_s": sum(r.idle_tick_s for r in runs),
+        "rounds": sum(r.rounds for r in runs), "predicted": sum(r.predicted for r in runs),
+        "cache_bytes": sum(sum(r.cache_bytes.values()) for r in runs),
+        "kv_bytes": sum(r.cache_bytes.get("kv_tree", 0) for r in runs),
+        "qa_bytes": sum(r.cache_bytes.get("qa_bank", 0) for r in runs),
+        "rouge_l": mean(s for _, s in scored),
+        "qa_rouge_l": mean(s for q, s in scored if q.level == "qa_bank"),
+        "qa_served": sum(q.level == "qa_bank" for q, _ in scored),
+        "identical": sum(exact), "compared": len(exact),
+    }
+
+
+def paraphrase_baseline(ref: dict, score) -> float | None:
+    """Mean ROUGE-L between Naive's answers to two questions of one paraphrase group (every pair)."""
+    by_group: dict[tuple[str, str], list[str]] = {}
+    for (user, _qid), q in ref.items():
+        if q.group:
+            by_group.setdefault((user, q.group), []).append(q.answer)
+    return mean(score(a[i], a[j]) for a in by_group.values() for i in range(len(a)) for j in range(i + 1, len(a)))
+
+
+def floors(per: dict[str, dict], baseline: float | None) -> list[dict]:
+    """The four floors: `{"name", "ok"` (True, False, or None where a system or number is missing),
+    `"detail"}`."""
+    out = []
+    ours = per.get(OURS)
+    others = {s: v for s, v in per.items() if s != OURS and v["mean_s"] is not None}
+    if ours and others:
+        best = min(others, key=lambda s: others[s]["mean_s"])
+        cut = 1 - ours["mean_s"] / others[best]["mean_s"]
+        goal = "goal met" if cut >= LATENCY_GOAL else f"goal {LATENCY_GOAL:.0%} not met"
+        out.append({"name": "latency", "ok": cut >= LATENCY_FLOOR,
+                    "detail": f"PerCache {ours['mean_s']:.3f} s vs best other {best} {others[best]['mean_s']:.3f} s: "
+                              f"cut {cut:.1%} (floor {LATENCY_FLOOR:.0%}; {goal})"})
+    else:
+        out.append({"name": "latency", "ok": None, "detail": "needs PerCache and another system"})
+    if ours and NO_PREDICTION in per:
+        gain = ours["kv_hit"] - per[NO_PREDICTION]["kv_hit"]
+        out.append({"name": "prediction", "ok": gain >= KV_FLOOR,
+                    "detail": f"K/V hit rate {ours['kv_hit']:.1%} vs {NO_PREDICTION} {per[NO_PREDICTION]['kv_hit']:.1%}: "
+                              f"{gain * 100:+.1f} points (floor +{KV_FLOOR * 100:.0f})"})
+    else:
+        out.append({"name": "prediction", "ok": None, "detail": f"needs PerCache and {NO_PREDICTION}"})
+    if ours and ours["qa_rouge_l"] is not None and baseline:
+        ok = ours["qa_rouge_l"] >= ROUGE_FLOOR * baseline
+        out.append({"name": "quality", "ok": ok,
+                    "detail": f"QA-served ROUGE-L {ours['qa_rouge_l']:.3f} over {ours['qa_served']} answers vs "
+                              f"{ROUGE_FLOOR} x paraphrase baseline {baseline:.3f} = {ROUGE_FLOOR * baseline:.3f}"})
+    else:
+        out.append({"name": "quality", "ok": None,
+                    "detail": "needs Naive, PerCache with QA bank answers, and two questions of a group"})
+    ex = per.get(EXACT)
+    if ex and ex["compared"]:
+        out.append({"name": "exact reuse", "ok": ex["identical"] == ex["compared"],
+                    "detail": f"{EXACT}: {ex['identical']}/{ex['compared']} replies token for token Naive's"})
+    else:
+        out.append({"name": "exact reuse", "ok": None, "detail": f"needs Naive and {EXACT}"})
+    return out
+
+
+def summarise(runs: list[Run], score) -> dict:
+    """Per question set: per system stats, the paraphrase baseline, the floors, and the sensitivity
+    settings' stats (`"sensitivity": {setting: stats}`)."""
+    out = {}
+    for which in dict.fromkeys(r.which for r in runs):
+        mine = [r for r in runs if r.which == which]
+        ref = reference(mine)
+        per = {s: stats([r for r in mine if r.system == s and not r.setting], ref, score)
+               for s in dict.fromkeys(r.system for r in mine if not r.setting)}
+        base = paraphrase_baseline(ref, score)
+        sens = {st: stats([r for r in mine if r.setting == st], ref, score)
+                for st in dict.fromkeys(r.setting for r in mine if r.setting)}
+        out[which] = {"systems": per, "paraphrase_rouge_l": base, "floors": floors(per, base), "sensitivity": sens}
+    return out
+
+
+# ---- output ------------------------------------------------------------------------------------------------
+
+STAGES = ("embed", "retrieve", "load", "prefill", "decode", "save")
+CSV_FIELDS = ("which", "user", "system", "setting", "question", "group", "level", "e2e_s", "reused_tokens",
+              "retrieved_tokens", "prompt_tokens", *(f"{k}_s" for k in STAGES), "answer")
+
+
+def write_results(runs: list[Run], summary: dict, meta: dict, out: Path) -> None:
+    """`queries.csv` (every query) and `summary.json` (settings, per-run totals and `summarise`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "queries.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in runs:
+            for q in r.queries:
+                row = {k: v for k, v in asdict(q).items() if k in CSV_FIELDS}
+                row.update({f"{k}_s": q.stages.get(k, "") for k in STAGES})
+                w.writerow({**row, "which": r.which, "user": r.user, "system": r.system, "setting": r.setting})
+    per_run = [{k: v for k, v in asdict(r).items() if k != "queries"} | {"queries": len(r.queries)} for r in runs]
+    (out / "summary.json").write_text(json.dumps({**meta, "runs": per_run, "results": summary}, indent=1) + "\n")
+
+
+def _num(x, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def table(per: dict[str, dict], first: str = "system") -> list[str]:
+    lines = [f"| {first} | mean s | p90 s | QA hit | K/V hit | idle model-s | cache MiB (K/V + QA) | ROUGE-L vs Naive |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in per.items():
+        lines.append(f"| {name} | {_num(s['mean_s'], '.3f')} | {_num(s['p90_s'], '.3f')} | {_num(s['qa_hit'], '.1%')} | "
+                     f"{s['kv_hit']:.1%} | {s['idle_model_s']:.1f} | {s['kv_bytes'] / 2**20:.1f} + "
+                     f"{s['qa_bytes'] / 2**20:.2f} | {_num(s['rouge_l'], '.3f')} |")
+    return lines
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    verdict = {True: "PASS", False: "FAIL", None: "n/a"}
+    lines = [f"Command: `{meta['command']}`. Date: {meta['date']}. Machine: {meta['machine']}. "
+             f"Run took {meta['runtime_s'] / 60:.1f} min.", "",
+             f"Users {', '.join(meta['users'])}; k {meta['k']}, max_tokens {meta['max_tokens']}, tau_query "
+             f"{meta['tau_query']}, stride {meta['stride']}, a question every {meta['gap_s']:g} virtual s, idle after "
+             f"{meta['idle_after_s']:g} s, idle budget {meta['budget_s']:g} model-s per day; greedy decoding. Latency: "
+             f"wall time of `QueryPredictor.query` (embedding, retrieval, model). K/V hit: reused passage tokens / "
+             f"retrieved passage tokens. Idle model-s: the predictor's rounds, apart from the latency. Quality: "
+             f"{meta['rouge']}.", ""]
+    for which, s in summary.items():
+        lines += [f"Question set `{which}`:", "", *table(s["systems"]), "",
+                  f"Paraphrase baseline (Naive against Naive within a group): {_num(s['paraphrase_rouge_l'], '.3f')}.", ""]
+        lines += [f"- {verdict[f['ok']]} {f['name']}: {f['detail']}" for f in s["floors"]]
+        lines.append("")
+        if s["sensitivity"]:
+            lines += [f"PerCache sensitivity on `{which}` (PerCache Fig. 17-19):", "",
+                      *table(s["sensitivity"], "setting"), ""]
+    return "\n".join(lines).rstrip()
+
+
+def plot(summary: dict, folder: Path) -> list[Path]:
+    """PerCache Fig. 14 style (mean latency per system, p90 as a tick) and Fig. 16 style (QA and K/V hit
+    rates and the latency cut against Naive, per system), one pair per question set."""
+    from bench.plots import _pyplot, _save
+
+    plt, paths = _pyplot(), []
+    for which, s in summary.items():
+        per = s["systems"]
+        names = list(per)
+        fig, ax = plt.subplots(figsize=(1.1 * len(names) + 2.5, 3.6), dpi=120)
+        for i, n in enumerate(names):
+            ax.bar(i, per[n]["mean_s"], width=0.6, color="#d62728" if n == OURS else "#1f77b4", alpha=0.8)
+            ax.hlines(per[n]["p90_s"], i - 0.3, i + 0.3, color="black", linewidth=1.5, label="p90" if i == 0 else None)
+            ax.annotate(f"{per[n]['mean_s']:.2f}", (i, per[n]["mean_s"]), textcoords="offset points", xytext=(0, 3),
+                        ha="center", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
+        ax.set_ylabel("end-to-end latency, s (mean; tick: p90)")
+        ax.set_title(f"RAG query latency per system ({which})", fontsize=10)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(_save(fig, folder / f"rag-latency-{which}.png"))
+        fig, ax = plt.subplots(figsize=(1.1 * len(names) + 2.5, 3.6), dpi=120)
+        naive = per.get(NAIVE, {}).get("mean_s")
+        bars = {"QA hit": [per[n]["qa_hit"] for n in names], "K/V hit": [per[n]["kv_hit"] for n in names]}
+        if naive:
+            bars["latency cut vs Naive"] = [1 - per[n]["mean_s"] / naive for n in names]
+        w = 0.8 / len(bars)
+        for j, (lab, ys) in enumerate(bars.items()):
+            ax.bar([i + (j - (len(bars) - 1) / 2) * w for i in range(len(names))], ys, width=w, label=lab)
+        ax.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_ylabel("fraction")
+        ax.set_title(f"Ablation: what each level and prediction adds ({which})", fontsize=10)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(_save(fig, folder / f"rag-ablation-{which}.png"))
+    return paths
+
+
+def machine() -> str:
+    from bench.quantized import cpu_line
+
+    return f"{platform.platform()}, {os.cpu_count()} cores, {cpu_line()}"
+
+
+# ---- driver -------------------------------------------------------------------------------------------------
+
+
+def sensitivity_settings(args) -> list[tuple[str, dict]]:
+    """PerCache's sensitivity sweeps (Fig. 17-19): stride, tau_query, and the K/V tree's cap (QA
+    entries are a few KiB each and keep their default cap). The default knobs' point is the main run."""
+    out = [(f"stride={s}", {"stride": s}) for s in STRIDES if s != args.stride]
+    out += [(f"tau_query={t}", {"tau_query": t}) for t in TAUS if t != args.tau_query]
+    out += [(f"tree_cap={c}MiB", {"tree_cap_bytes": c << 20}) for c in args.caps_mib]
+    return out
+
+
+def main(argv=None) -> int:
+    from bench import rag_data
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.rag", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Systems: " + ", ".join(SYSTEMS) + ". Progress goes to stderr; the results section to stdout.")
+    ap.add_argument("--users", nargs="+", default=rag_data.users(), choices=rag_data.users(),
+                    help="users of bench.rag_data (default all)")
+    ap.add_argument("--which", choices=["main", "heldout", "both"], default="both",
+                    help="question set; the floors are checked on each (default both)")
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), metavar="SYSTEM",
+                    help="systems to run (default all); Naive is the answers' reference")
+    ap.add_argument("--k", type=int, default=3, help="passages retrieved per query (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="reply length, tokens (default 32)")
+    ap.add_argument("--tau-query", type=float, default=0.85, help="QA bank similarity threshold (default 0.85)")
+    ap.add_argument("--stride", type=int, default=5, help="queries predicted per round (default 5)")
+    ap.add_argument("--gap", type=float, default=600.0, help="virtual seconds between questions (default 600)")
+    ap.add_argument("--idle-after", type=float, default=120.0,
+                    help="seconds without a real call before the predictor works (default 120)")
+    ap.add_argument("--budget", type=float, default=600.0, help="predictor model-seconds per user per day (default 600)")
+    ap.add_argument("--limit", type=int, default=0, help="first N questions per user (default 0: all)")
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and --caps-mib, on the main set")
+    ap.add_argument("--caps-mib", type=int, nargs=3, default=[16, 64, 256],
+                    help="K/V tree caps of the sensitivity sweep, MiB (default 16 64 256)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--tmp", default=None, help="where the runs' data directories go (default: the system's temp)")
+    ap.add_argument("--out", type=Path, default=Path("docs/results/rag"),
+                    help="folder for queries.csv and summary.json (default docs/results/rag)")
+    ap.add_argument("--write", type=Path, help="replace or add the RAG cache section of this markdown file")
+    ap.add_argument("--plot", action="store_true", help="PNG figures (matplotlib) into --img")
+    ap.add_argument("--img", type=Path, default=Path("docs/img"), help="folder of the figures (default docs/img)")
+    args = ap.parse_args(argv)
+    if args.gap <= 0 or args.limit < 0 or args.k < 1 or args.max_tokens < 1 or args.stride < 1:
+        ap.error("--gap, --k, --max-tokens and --stride must be positive, --limit at least 0")
+    if args.sensitivity and OURS not in args.systems:
+        ap.error("--sensitivity sweeps PerCache: include it in --systems")
+    t_start = time.perf_counter()
+    import torch
+
+    from engine.context import ContextEngine
+    from engine.embed import Embedder
+
+    torch.set_num_threads(args.threads)
+    score, rouge_name = rouge_scorer()
+    log(f"bench.rag: {rouge_name}; loading the model and the embedder")
+    engine = ContextEngine.load(progress=False)
+    embedder = Embedder()
+    embedder.embed(["warm up"])
+    systems = [NAIVE] + [s for s in args.systems if s != NAIVE] if NAIVE in args.systems else args.systems
+    sets = ["main", "heldout"] if args.which == "both" else [args.which]
+    runs: list[Run] = []
+    for which in sets:
+        for user in args.users:
+            for system in systems:
+                runs.append(run_one(engine, embedder, user, which, system, args))
+            if args.sensitivity and which == "main":
+                for setting, knobs in sensitivity_settings(args):
+                    runs.append(run_one(engine, embedder, user, which, OURS, args, setting, **knobs))
+    summary = summarise(runs, score)
+    runtime = time.perf_counter() - t_start
+    meta = {"command": "python -m bench.rag " + shlex.join(argv), "date": datetime.date.today().isoformat(),
+            "machine": machine(), "runtime_s": runtime, "users": args.users, "k": args.k, "max_tokens": args.max_tokens,
+            "tau_query": args.tau_query, "stride": args.stride, "gap_s": args.gap, "idle_after_s": args.idle_after,
+            "budget_s": args.budget, "limit": args.limit, "rouge": rouge_name, "fingerprint": engine.fingerprint}
+    write_results(runs, summary, meta, args.out)
+    log(f"bench.rag: wrote {args.out / 'queries.csv'} and {args.out / 'summary.json'}")
+    if args.plot:
+        for p in plot(summary, args.img):
+            log(f"bench.rag: wrote {p}")
+    from bench.markdown import publish
+
+    publish(markdown(summary, meta), args.write, NAME, HEADING)
+    print(f"\nTotal runtime: {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
