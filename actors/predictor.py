@@ -100,7 +100,8 @@ class QueryPredictor:
                             delete_node, model_key, config, clock=clock)
         self.tok, self.executor, self.clock, self.power = tokenizer, executor, clock, power
         self.scheduler = CacheScheduler()
-        self._lock = threading.RLock()  # `tick` and the routes share what follows
+        self._lock = threading.RLock()  # the idle bookkeeping, shared by `tick` and the routes (never held
+        # while the model runs)
         cfg = self.rag.config
         self.idle = IdleState(idle or IdlePolicy(idle_after_s=cfg.idle_after_s, require_mains_power=cfg.mains_only,
                                                  budget_model_s_per_day=cfg.predict_budget_s, stride=cfg.stride))
@@ -173,17 +174,15 @@ class QueryPredictor:
         did (`app`, `kind`, `collection`, `questions`, `model_s`, and `preempted` when a real call
         took the executor back midway: the round is left pending). Cheap when nothing is due."""
         now = self.clock() if now is None else now
-        done = []
-        with self._lock:
+        with self._lock:  # not held while the model runs: a real query's bookkeeping never waits for it
             self.idle.calls_seen(*self.executor.activity())
             self.idle.set_power(self.power())
-            for app in self.idle.apps():
-                if not self.idle.may_work(app, now).ok:
-                    continue
-                work = self.idle.next_work(app, now)
-                done.append(self._round(app, work, now) if work is not None else self._answer_pending(app, now))
-                if done[-1].get("preempted"):
-                    break
+            todo = [(app, self.idle.next_work(app, now)) for app in self.idle.apps() if self.idle.may_work(app, now).ok]
+        done = []
+        for app, work in todo:
+            done.append(self._round(app, work, now) if work is not None else self._answer_pending(app, now))
+            if done[-1].get("preempted"):
+                break
         return [d for d in done if d["questions"] or d.get("preempted")]
 
     def _answer_pending(self, app: str, now: float) -> dict:
@@ -202,8 +201,9 @@ class QueryPredictor:
             out["preempted"] = True
         out["model_s"] = time.perf_counter() - t0
         if out["questions"] or out.get("preempted"):
-            self.idle.spend(app, out["model_s"], now)
-            self._save(app)
+            with self._lock:
+                self.idle.spend(app, out["model_s"], now)
+                self._save(app)
         return out
 
     def _round(self, app: str, work: PredictRound, now: float) -> dict:
@@ -223,14 +223,15 @@ class QueryPredictor:
         except PreemptedError:
             out["preempted"] = True
         out["model_s"] = time.perf_counter() - t0
-        self.idle.spend(app, out["model_s"], now)
-        if not out.get("preempted"):
-            self.idle.round_done(work)
-            if work.kind == "knowledge" and col is not None:
-                known["pending"].pop(col, None)
-                if known["pending"]:  # more collections wait: the next round takes the next one
-                    self.idle.documents_added(app, now - self.idle.policy.abstract_quiet_s, 1)
-        self._save(app)
+        with self._lock:
+            self.idle.spend(app, out["model_s"], now)
+            if not out.get("preempted"):
+                self.idle.round_done(work)
+                if work.kind == "knowledge" and col is not None:
+                    known["pending"].pop(col, None)
+                    if known["pending"]:  # more collections wait: the next round takes the next one
+                        self.idle.documents_added(app, now - self.idle.policy.abstract_quiet_s, 1)
+            self._save(app)
         return out
 
     def _generate(self, app: str, prompt: str, max_tokens: int) -> str:

@@ -115,11 +115,12 @@ class RagCache:
         lat["retrieve"] = time.perf_counter() - t
         path = [int(h.chunk) for h in hits]
         prompt = self.template.build([list(h.token_ids) for h in hits], question)
-        with self._tree_lock:  # the executor runs one call at a time anyway; the trees change in step
+        with self._tree_lock:  # not held while the model runs: a real query never waits for idle work's
             call, matched = self._plan(app, adapter, path, prompt, decode, params)
             call.background = background
-            out = self.run(call)
-            reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
+        out = self.run(call)  # a node evicted meanwhile fails to read and is recomputed (`run_rag_call`)
+        reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
+        with self._tree_lock:
             self._update_tree(app, adapter, path, prompt, out, matched[:reused_nodes])
         lat.update(load=out.load_s, prefill=out.prefill_s, decode=out.decode_s, save=out.save_s)
         passage_tokens = prompt.question - prompt.head
@@ -181,6 +182,7 @@ class RagCache:
             size = out.saved.get(node_key(key, tree.path_of(n.node_id)))
             if size:
                 n.nbytes = size
+        reused = [n for n in reused if n.node_id in tree]  # not evicted while the call ran
         tree.touch(reused, now)
         changed = {n.node_id: n for n in [*new, *reused, *tree.match(path)]}
         self.store.upsert_nodes(app, adapter, [r for r in tree.to_rows() if r["node_id"] in changed], tree.next_id)

@@ -160,3 +160,31 @@ def test_a_later_document_that_ranks_for_a_stored_question_makes_its_answer_stal
     assert p.cache.unanswered("app") == [] and {e.question for e in p.store.qa_entries("app", col, "")} == {
         "How tall is Mount Fuji?", "Where does the Amazon flow?"}
     assert p.cache.query("app", col, "How tall is Mount Fuji?", max_tokens=8).level == "qa_bank"
+
+
+def test_a_real_query_does_not_wait_for_a_background_one(tmp_path, engine, embedder):
+    """Idle work holds no lock of the cache while its model call runs: a real query goes through (the
+    executor's priority lock then makes the model call itself yield; tests/actors/test_predictor.py)."""
+    import threading
+
+    p = Parts(tmp_path, engine, embedder, qa_bank=False)
+    col, _ = p.add("app")
+    gate, inside = threading.Event(), threading.Event()
+    run = p.cache.run
+
+    def held(call):
+        if call.background:
+            inside.set()
+            assert gate.wait(60)
+        return run(call)
+
+    p.cache.run = held
+    bg = threading.Thread(target=p.cache.query, args=("app", col, QUESTIONS[0]),
+                          kwargs={"background": True, "max_tokens": 4})
+    bg.start()
+    assert inside.wait(60)
+    real = p.cache.query("app", col, QUESTIONS[1], max_tokens=4)  # while the background call is held
+    assert real.token_ids and bg.is_alive()
+    gate.set()
+    bg.join(60)
+    assert not bg.is_alive() and len(p.cache.tree("app")) >= 3
