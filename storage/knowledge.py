@@ -27,23 +27,21 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import hashlib
 import html.parser
-import os
 import re
 import secrets
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
 import numpy as np
 
 from storage.errors import InvalidKeyError, StorageError
-from storage.registry import _disk_full, _token_blob, _tokens
+from storage.registry import _token_blob, _tokens
+from storage.sqlitedb import SqliteTables
 
 ChunkId = NewType("ChunkId", int)
 """Id of a knowledge chunk (not a K/V chunk of a context): stable, never reused."""
@@ -391,7 +389,7 @@ def _check_name(what: str, name) -> None:
         raise InvalidKeyError(f"{what} must be 1-128 printable characters")
 
 
-class KnowledgeBank:
+class KnowledgeBank(SqliteTables):
     """Collections, documents and chunks of many apps in one SQLite file, with hybrid search. Thread-safe
     (one connection, one lock). Another app's collection, document or chunk is "not found", as a missing one."""
 
@@ -402,49 +400,9 @@ class KnowledgeBank:
         self._tokenize = tokenize
         self._embed = embed
         self._clock = clock
-        self._lock = threading.RLock()
         self._matrices: collections.OrderedDict[str, _Matrix] = collections.OrderedDict()  # LRU by search
-        self._dir = os.path.dirname(os.path.abspath(path))
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
-                                   timeout=self.config.busy_timeout_s)
-        for pragma in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
-            self._db.execute(f"PRAGMA {pragma}")
-        with self._transaction(write=True):
-            for statement in _SCHEMA:
-                self._db.execute(statement)
-            row = self._q("SELECT value FROM kb_meta WHERE key='schema'").fetchone()
-            if row is None:
-                self._q("INSERT INTO kb_meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise KnowledgeError(f"knowledge schema {row[0]}; this code reads {SCHEMA_VERSION}")
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    def __enter__(self) -> KnowledgeBank:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @contextlib.contextmanager
-    def _transaction(self, write: bool) -> Iterator[None]:
-        """One transaction under the lock: ``BEGIN IMMEDIATE`` to write, ``BEGIN`` (a snapshot) to read.
-        Commits at the end, rolls back on any exception; a full disk raises DiskFullError."""
-        with self._lock, _disk_full(self._dir):
-            self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            try:
-                yield
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                raise
-
-    def _q(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        return self._db.execute(sql, args)
+        super().__init__(path, busy_timeout_s=self.config.busy_timeout_s, schema=_SCHEMA, meta="kb_meta",
+                         version=SCHEMA_VERSION, error=KnowledgeError, what="knowledge")
 
     def _generation(self, app: str, collection: str) -> int:
         """The collection's generation; CollectionNotFoundError when it is missing or another app's."""

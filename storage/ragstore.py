@@ -34,15 +34,11 @@ width of its first entry's while it holds any.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import math
 import operator
-import os
-import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NewType
 
@@ -50,7 +46,7 @@ import numpy as np
 
 from storage.errors import InvalidKeyError, StorageError
 from storage.knowledge import _check_name
-from storage.registry import _disk_full
+from storage.sqlitedb import SqliteTables
 
 EntryId = NewType("EntryId", int)
 """Id of a QA bank entry: stable, never reused."""
@@ -210,56 +206,16 @@ def _entry_bytes(question: str, answer: str | None, dim: int, n_chunks: int) -> 
             + 4 * dim + SOURCE_BYTES * n_chunks)
 
 
-class RagStore:
+class RagStore(SqliteTables):
     """The RAG cache's tree rows, QA bank and predictor state of many apps in one SQLite file.
     Thread-safe (one connection, one lock). Another app's QA entry is "not found", as a missing one."""
 
     def __init__(self, path: str, *, clock: Callable[[], float] = time.time, config: RagStoreConfig | None = None):
         self.config = config or RagStoreConfig()
         self._clock = clock
-        self._lock = threading.RLock()
         self._vectors: collections.OrderedDict[int, _Vectors] = collections.OrderedDict()  # LRU by read
-        self._dir = os.path.dirname(os.path.abspath(path))
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
-                                   timeout=self.config.busy_timeout_s)
-        for pragma in ("journal_mode=WAL", "synchronous=FULL", "foreign_keys=ON"):
-            self._db.execute(f"PRAGMA {pragma}")
-        with self._transaction(write=True):
-            for statement in _SCHEMA:
-                self._db.execute(statement)
-            row = self._q("SELECT value FROM rag_meta WHERE key='schema'").fetchone()
-            if row is None:
-                self._q("INSERT INTO rag_meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise RagStoreError(f"RAG store schema {row[0]}; this code reads {SCHEMA_VERSION}")
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    def __enter__(self) -> RagStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @contextlib.contextmanager
-    def _transaction(self, write: bool) -> Iterator[None]:
-        """One transaction under the lock: ``BEGIN IMMEDIATE`` to write, ``BEGIN`` (a snapshot) to read.
-        Commits at the end, rolls back on any exception; a full disk raises DiskFullError."""
-        with self._lock, _disk_full(self._dir):
-            self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-            try:
-                yield
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                raise
-
-    def _q(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        return self._db.execute(sql, args)
+        super().__init__(path, busy_timeout_s=self.config.busy_timeout_s, schema=_SCHEMA, meta="rag_meta",
+                         version=SCHEMA_VERSION, error=RagStoreError, what="RAG store")
 
     def _now(self, now: float | None) -> float:
         t = self._clock() if now is None else float(now)
