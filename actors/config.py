@@ -94,6 +94,10 @@ class ServiceConfig:
     """Weight format the model runs in (engine.quant.WeightFormat: `fp32`, `bf16`, `int8`, `int4`,
     `int4-g128`, ...); converted once into the model cache. Part of every chunk's `KVKey`: K/V made
     under one format is never restored under another."""
+    weights_resident_bytes: int | None = None
+    """Weights larger than memory: the smallest weight fragments stay resident up to this many bytes,
+    the rest are streamed per block from the mapped weight file in every process that runs the model
+    (engine/weightpager.py; CPU only). None: every weight resident."""
     kv_format: str = "float"
     """How contexts' K/V is held in the working set (engine.kvformat): `float` (the compute dtype) or
     `kv8` (keys int8, values fp8 e4m3, one scale per token and head: about a quarter of float32). A kv8
@@ -118,6 +122,8 @@ class ServiceConfig:
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
         if self.prefill_budget_bytes < 0:
             raise ValueError("prefill_budget_bytes must be >= 0 (0: no budget)")
+        if self.weights_resident_bytes is not None and self.weights_resident_bytes < 0:
+            raise ValueError("weights_resident_bytes must be >= 0 (None: every weight resident)")
         check_working_set(self.kv_format, self.policy)
 
     def adapter_dir(self) -> str:

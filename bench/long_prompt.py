@@ -46,6 +46,9 @@ def main(argv=None) -> int:
                     help="skip the chunked-swap baseline")
     ap.add_argument("--accelerate-mib", type=int, default=64,
                     help="max_memory of the accelerate offload baseline, MiB (default 64; 0 skips it)")
+    ap.add_argument("--weights-resident", type=int, default=None, metavar="MIB",
+                    help="stream the weights beyond this many MiB of resident fragments (engine/weightpager.py): "
+                         "the run with a total budget, weights included (default: every weight resident)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -64,7 +67,8 @@ def main(argv=None) -> int:
     from scheduler.prefill import estimate_steps, peak_bytes, plan_prefill
 
     torch.set_num_threads(a.threads)
-    engine = ContextEngine.load(None, EngineConfig(), progress=False)
+    resident = None if a.weights_resident is None else a.weights_resident << 20
+    engine = ContextEngine.load(None, EngineConfig(weights_resident_bytes=resident), progress=False)
     model, cfg = engine.model, engine.model.cfg
     ids = real_text_ids(engine.tok)
     if max(a.lengths) > min(len(ids), cfg.max_positions):
@@ -137,22 +141,24 @@ def main(argv=None) -> int:
         model.engine_cfg.prefill_partition_rows = rows
         density = torch.zeros(n + 1)
         tracker = TensorTracker(ignore=[cache.kv, density])
-        most = [0, 0, 0]
+        most = [0, 0, 0, 0]
 
         def hook(step, layer, cache=cache, tracker=tracker, most=most):
             tracker.mark(step, layer)
             most[2] = max(most[2], tracker.steps[-1].peak)
             if step == "mlp":  # K/V and spilled rows mapped now (smaps covers every mapping of ours)
                 m = mapped_rss(lambda _lo, _hi, path: path.startswith(prefix))
+                w = model.weight_pager.mapped_bytes() if model.weight_pager is not None else 0
                 most[0] = max(most[0], m)
                 most[1] = max(most[1], m + max(s.peak for s in tracker.steps[-3:]))
+                most[3] = max(most[3], m + w + max(s.peak for s in tracker.steps[-3:]))
 
         model.step_hook = hook
         with tracker:
             model.forward(cache, ids[:n], density=density)
         model.step_hook = None
         cache.pager.settle()
-        mapped[n] = (most[0], most[1], plan, most[2])
+        mapped[n] = (most[0], most[1], plan, most[2], most[3])
 
     def longest(budget: int, rows: int) -> int:
         lo, hi = 0, cfg.max_positions
@@ -210,9 +216,18 @@ def main(argv=None) -> int:
     print("| prompt, tokens | plan | most mapped, MiB | most mapped + tracked, MiB | estimate, MiB |\n"
           "|---:|---|---:|---:|---:|")
     for n in fits:
-        most, both, plan, _tracked = mapped[n]
+        most, both, plan, _tracked, _all = mapped[n]
         print(f"| {n} | {plan.describe().split(';')[0]} | {most / 2**20:.1f} | {both / 2**20:.1f} | "
               f"{plan.peak / 2**20:.1f} |")
+    if model.weight_pager is not None:
+        wp = model.weight_pager.plan
+        print(f"\nWeights streamed: {wp.resident_bytes / 2**20:.1f} MiB of fragments resident (limit "
+              f"{a.weights_resident} MiB), {wp.streamed_bytes / 2**20:.1f} MiB streamed per pass, at most "
+              f"{wp.peak_bytes / 2**20:.1f} MiB of weights mapped by the plan. Everything of the streamed runs "
+              "(K/V and spilled rows mapped, weights mapped, tensors alive):\n")
+        print("| prompt, tokens | most of everything, MiB |\n|---:|---:|")
+        for n in fits:
+            print(f"| {n} | {mapped[n][4] / 2**20:.1f} |")
     print("\n| budget, MiB | longest prompt, plain | longest, partitions (all K/V resident) | longest, streamed |\n"
           "|---:|---:|---:|---:|")
     for mib in a.budgets:

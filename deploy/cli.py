@@ -22,11 +22,13 @@ def _engine(args):
     from engine.context import ContextEngine
 
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_context_tokens=args.max_context,
-                       weights=args.weights, kv_format=args.kv_format)
+                       weights=args.weights, kv_format=args.kv_format, weights_resident_bytes=args.weights_resident)
     t0 = time.perf_counter()
     engine = ContextEngine.load(args.model, cfg)
     if args.verbose:
         print(f"llmaas: model loaded in {time.perf_counter() - t0:.2f} s on {engine.model.device}", file=sys.stderr)
+        if engine.model.weight_pager is not None:
+            print(f"llmaas: streamed weights: {engine.model.weight_pager.plan.describe()}", file=sys.stderr)
     return engine
 
 
@@ -340,6 +342,31 @@ KV_FORMAT_HELP = ("how contexts' K/V is held in memory: float (default, the comp
                   "perplexity on the default model; not with a lossless policy)")
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30}
+
+
+def byte_size(text: str) -> int:
+    """A size on the command line: bytes, or a number with a unit (`64MiB`, `64M` = 64 MiB, `1.5GB`)."""
+    t = text.strip().lower().replace(" ", "")
+    i = len(t)
+    while i and not (t[i - 1].isdigit() or t[i - 1] == "."):
+        i -= 1
+    try:
+        value, unit = float(t[:i]), _SIZE_UNITS[t[i:]]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with K, M, G, KiB, "
+                                         "MiB, GiB, KB, MB or GB") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size cannot be negative")
+    return int(value * unit)
+
+
+WEIGHTS_RESIDENT_HELP = ("keep at most SIZE of the weights resident, smallest fragments first (each matrix, norm "
+                         "and bias of each block); stream the rest from the mapped weight file per block, the "
+                         "next read ahead while one computes (CPU only; default: every weight resident)")
+
+
 def _kv_formats() -> tuple[str, ...]:
     from engine.config import KV_FORMATS
 
@@ -355,6 +382,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--weights", default="fp32", metavar="FORMAT", help=WEIGHTS_HELP)
     p.add_argument("--kv-format", default="float", choices=_kv_formats(), help=KV_FORMAT_HELP)
+    p.add_argument("--weights-resident", type=byte_size, default=None, metavar="SIZE", help=WEIGHTS_RESIDENT_HELP)
     p.add_argument("--max-context", type=int, default=0, metavar="TOKENS",
                    help="context length before overflow handling (default: the model's maximum)")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens per reply (default 256)")
@@ -408,13 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, metavar="FILE", help="YAML or JSON options file")
     s.add_argument("--policy", default=None, metavar="NAME",
                    help="memory policy set: llms (default), lmk, swap, vllm-s, vllm-sq, llms-no-* ablations")
-    s.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
-                   help="KV pool budget in bytes of resident chunks as stored (default 256 MiB)")
+    s.add_argument("--kv-budget", type=byte_size, default=None, metavar="SIZE",
+                   help="KV pool budget: resident chunks as stored, in bytes or with a unit, 256MiB (the default)")
     s.add_argument("--model", default=os.environ.get("LLMAAS_MODEL"),
                    help="GGUF file or checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--weights", default=None, metavar="FORMAT", help=WEIGHTS_HELP)
     s.add_argument("--kv-format", default=None, choices=_kv_formats(), help=KV_FORMAT_HELP)
-    s.add_argument("--prefill-budget", type=int, default=None, metavar="BYTES",
+    s.add_argument("--weights-resident", type=byte_size, default=None, metavar="SIZE", help=WEIGHTS_RESIDENT_HELP)
+    s.add_argument("--prefill-budget", type=byte_size, default=None, metavar="SIZE",
                    help="memory a call's prefill may take (transient tensors and the context's K/V), estimated "
                         "before it runs: long prompts run in row partitions that fit, or with their K/V streamed "
                         "layer by layer through <data-dir>/ws (the reply's decode too), or answer 413 "

@@ -56,6 +56,8 @@ def options_from_args(args) -> dict:
         opts["weights"] = args.weights
     if getattr(args, "kv_format", None):
         opts["kv_format"] = args.kv_format
+    if getattr(args, "weights_resident", None) is not None:
+        opts["weights_resident_bytes"] = args.weights_resident
     if getattr(args, "prefill_budget", None) is not None:
         opts["prefill_budget_bytes"] = args.prefill_budget
     if getattr(args, "adapter_root", None):
@@ -95,8 +97,16 @@ def serve_forever(args) -> int:
 
     print("llmaas: model: preparing (converted once, then cached)", file=sys.stderr)
     resolved = resolve_model(opts.get("model") or None, progress=True)
-    engine_arrays(resolved.directory, resolved.fingerprint, WeightFormat.parse(str(opts.get("weights", "fp32"))),
-                  progress=True)
+    model_cfg, arrays = engine_arrays(resolved.directory, resolved.fingerprint,
+                                      WeightFormat.parse(str(opts.get("weights", "fp32"))), progress=True)
+    if opts.get("weights_resident_bytes") is not None:
+        from engine.weightpager import stage_fragments
+        from scheduler.fragments import plan_fragments
+
+        plan = plan_fragments(stage_fragments(arrays, model_cfg.n_layers), int(opts["weights_resident_bytes"]),
+                              model_cfg.n_layers + 1)
+        print(f"llmaas: streamed weights: {plan.describe()}, in each process that runs the model", file=sys.stderr)
+    del arrays
 
     import ray
     from ray import serve

@@ -160,6 +160,16 @@ class EngineConfig:
     """How contexts' K/V is held in memory (engine/kvformat.py): `float` (the compute dtype) or `kv8`
     (keys int8 and values fp8 e4m3, one scale per token and head: about a quarter of float32's
     memory; lossy, so never under a lossless policy)."""
+    weights_resident_bytes: int | None = None
+    """Weights larger than memory (HyperGen §3.1, engine/weightpager.py): keep the smallest weight
+    fragments (each matrix, scale, norm and bias of each block; the final norm and LM head) resident
+    up to this many bytes and stream the rest from the mapped weight file per block, the next
+    block's read ahead while one computes; None: every weight resident (the default). CPU only, with
+    the weights used as stored (float32 compute on fp32 weights, int4, int8; quantized weights stay
+    mapped then, whatever `copy_weights` says)."""
+    weights_read_ahead: bool = True
+    """Streamed weights: read the next block's fragments on a background thread while a block computes
+    (False: each block's fragments are read in line as it starts)."""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -170,6 +180,8 @@ class EngineConfig:
             raise ValueError("max_context_tokens must be >= 0")
         if self.prefill_partition_rows < 0:
             raise ValueError("prefill_partition_rows must be >= 0")
+        if self.weights_resident_bytes is not None and self.weights_resident_bytes < 0:
+            raise ValueError("weights_resident_bytes must be >= 0 (None: every weight resident)")
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format
         check_kv_format(self.kv_format)
 

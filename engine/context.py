@@ -8,8 +8,9 @@ A context owns its token ids (the source of truth), its conversation turns, a KV
 information density of its tokens. A call appends one user turn (rendered with the model's chat
 template), prefills only the ids whose K/V are not computed yet, and decodes a reply. When a context
 would pass its maximum length, the first chunk (the attention sink) and the newest chunks up to
-`overflow_keep_fraction` of the limit are kept and re-prefilled as a fresh sequence, so that positions
-stay consistent and recompute stays exact.
+`overflow_keep_fraction` of the limit (or, for a longer new turn, the whole turn) are kept and
+re-prefilled as a fresh sequence, so that positions stay consistent and recompute stays exact. A turn
+may take the limit less three chunks (`ContextEngine.tail_room`).
 """
 
 from __future__ import annotations
@@ -234,8 +235,10 @@ class ContextEngine:
 
     # ---- internals ---------------------------------------------------------------------------------
     def tail_room(self) -> int:
-        """Most tokens a fresh turn may take: what overflow keeps, less the sink chunk."""
-        return int(self.limit * self.cfg.overflow_keep_fraction) - self.cfg.chunk_tokens
+        """Most tokens a fresh turn may take: the limit less the sink chunk and two chunks of room (the
+        previous reply's closing ids, and the first tokens of the reply). Overflow keeps such a turn
+        whole after the sink, cutting only older tokens (`_overflow`)."""
+        return self.limit - 3 * self.cfg.chunk_tokens
 
     def new_tokens(self, ctx: LiveContext, prompt: str) -> int:
         """Tokens a call with `prompt` would prefill on `ctx` (pending ids and the user turn)."""
@@ -272,6 +275,10 @@ class ContextEngine:
         keep = int(self.limit * self.cfg.overflow_keep_fraction)
         ids = ctx.token_ids
         tail_start = round_up(max(c, len(ids) - (keep - c)), c)  # newest whole chunks
+        turn_start = ctx.cache.length  # what is not prefilled yet: the new turn (or the token just sampled)
+        if tail_start > turn_start and c + (len(ids) - turn_start) + c <= self.limit:
+            # a turn longer than what overflow keeps is kept whole, after the sink: only older tokens go
+            tail_start = max(c, turn_start // c * c)
         ctx.token_ids = ids[:c] + ids[tail_start:]
         ctx.cache = self.model.new_cache(round_up(len(ctx.token_ids) + 256, c), self.cfg.kv_format)
         ctx.density.reset()

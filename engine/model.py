@@ -234,6 +234,9 @@ class Transformer:
         """Query rows computed by recompute."""
         self.fingerprint = ""
         """Identity of the weights when loaded from a resolved model (`engine.loader.ResolvedModel`)."""
+        self.weight_pager = None
+        """An `engine.weightpager.WeightPager` when weight fragments are streamed (told as each block
+        and the LM head start); None when every weight is resident."""
         self.step_hook = None
         """Called as `step_hook(step, layer)` after each step of a block (`qkv`, `attention`, `mlp`):
         where `engine.memtrack.TensorTracker.mark` measures the prefill memory estimate's steps."""
@@ -263,9 +266,18 @@ class Transformer:
 
         cfg, arrays = engine_arrays(directory, fingerprint, fmt, progress=progress)
         weights = load_weights(arrays, cfg, device, dtype, fmt, int8_activations=engine_cfg.int8_activations,
-                               copy=engine_cfg.copy_weights and device.type == "cpu")
+                               copy=engine_cfg.copy_weights and device.type == "cpu"
+                               and engine_cfg.weights_resident_bytes is None)  # streamed weights stay mapped
         model = cls(cfg, weights, engine_cfg)
         model.fingerprint = fingerprint or ""
+        if engine_cfg.weights_resident_bytes is not None:
+            if device.type != "cpu":
+                raise ValueError("streamed weights (weights_resident_bytes) run on the CPU only; on "
+                                 f"{device.type} every weight is resident")
+            from engine.weightpager import WeightPager
+
+            model.weight_pager = WeightPager.of_model(arrays, weights, cfg.n_layers, engine_cfg.weights_resident_bytes,
+                                                      prefetch=engine_cfg.weights_read_ahead)
         return model
 
     def new_cache(self, capacity: int = 0, kv_format: str | None = None) -> KVCache:
@@ -380,6 +392,8 @@ class Transformer:
         self.forward_rows += n
         if not all_logits:
             x = x[-1:]
+        if self.weight_pager is not None:
+            self.weight_pager.use(self.cfg.n_layers)
         logits = self.w.lm_head(rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)).float()
         return logits if all_logits else logits[0]
 
@@ -425,6 +439,8 @@ class Transformer:
     def _layer(self, layer, x, pos, cache, *, contiguous, density, sdpa, adapter=None):
         """One decoder layer over rows `x` `[n, hidden]`; returns the new rows, updating `x` in place
         (callers pass hidden states they own). An adapter's deltas are added after each base product."""
+        if self.weight_pager is not None:
+            self.weight_pager.use(layer)
         cfg, w = self.cfg, self.w.layers[layer]
         lora = adapter.layers[layer] if adapter is not None else _NO_DELTAS
         n = x.shape[0]

@@ -102,3 +102,30 @@ def test_write_stream_puts_progress_on_stderr_and_text_on_stdout():
     write_stream([PrefillProgress(1, 2, 300), PrefillProgress(2, 2, 300), "Hel", "lo"], out, err)
     assert out.getvalue() == "Hello"
     assert "prefill 2/2 layers (300 tokens)" in err.getvalue() and err.getvalue().endswith("\r\033[K")
+
+
+def test_generate_and_serve_stream_weights_beyond_a_resident_size(engine):
+    """`--weights-resident 16MiB`: the reply is the same with most weights streamed; `serve` passes the
+    size on; sizes take units, and a bad one fails clearly."""
+    import argparse
+
+    import pytest
+
+    from deploy.cli import build_parser, byte_size
+    from deploy.server import options_from_args
+
+    expected = engine.call(engine.new_ctx(), PROMPT, max_tokens=8).text
+    r = run("generate", "--chat", "--prompt", PROMPT, "--max-tokens", "8", "--weights-resident", "16MiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+    args = build_parser().parse_args(["serve", "--weights-resident", "64M", "--prefill-budget", "32MiB",
+                                      "--kv-budget", "1.5GB", "--data-dir", "/tmp/unused"])
+    opts = options_from_args(args)
+    assert (opts["weights_resident_bytes"], opts["prefill_budget_bytes"], opts["pool_bytes"]) == (
+        64 << 20, 32 << 20, 1_500_000_000)
+    assert byte_size("4096") == 4096 and byte_size("2 KiB") == 2048 and byte_size("0") == 0
+    for bad in ("lots", "12XB", "-3M"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            byte_size(bad)
+    r = run("generate", "--prompt", "x", "--weights-resident", "many")
+    assert r.returncode == 2 and "is not a size" in r.stderr

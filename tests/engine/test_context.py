@@ -125,6 +125,38 @@ def test_overflow_keeps_sink_and_newest_chunks(resolved_model, engine):
         small.stream(ctx, "word " * 200)
 
 
+def test_a_turn_longer_than_what_overflow_keeps_is_kept_whole(engine):
+    """A new turn may take the limit less three chunks: overflow then keeps the sink and the whole turn
+    (older turns go, and the reply says how many tokens), and the K/V is a fresh prefill's; one token
+    more is refused before anything changes."""
+    limit = 256
+    small = ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=limit))
+    ctx = small.new_ctx("Be brief.")
+    small.call(ctx, "Name a colour.", max_tokens=6)
+    small.call(ctx, "Describe the ocean in detail.", max_tokens=48)
+    sink = ctx.token_ids[:16]
+    words = 150
+    while len(small.tok.user_turn_ids(ctx.conv, "word " * (words + 1))) + 1 <= small.tail_room():
+        words += 1
+    prompt = "word " * words
+    turn = small.tok.user_turn_ids(ctx.conv, prompt)
+    assert int(limit * 0.75) - 16 < len(turn) <= small.tail_room() == limit - 48  # past the old 75% rule
+    assert len(ctx.token_ids) + len(turn) > limit  # so the call overflows
+    before = list(ctx.token_ids)
+    with pytest.raises(PromptTooLongError):
+        small.stream(ctx, "word " * (words + 1))
+    assert ctx.token_ids == before
+    r = small.call(ctx, prompt, max_tokens=4)
+    assert r.dropped_tokens > 0 and ctx.token_ids[:16] == sink
+    kept = ctx.token_ids
+    at = next(i for i in range(16, len(kept)) if kept[i : i + len(turn)] == turn)  # the whole turn, in order
+    assert at - 16 < 16 + 8  # before it at most a chunk of older ids and the last reply's closing ids
+    n = ctx.cache.length
+    fresh = engine.model.new_cache(n)
+    engine.model.forward(fresh, kept[:n])
+    assert (fresh.k[:, :, :n] - ctx.cache.k[:, :, :n]).abs().max() < 1e-4
+
+
 def test_overflow_tail_selection(engine):
     small = ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=64))
     ctx = small.new_ctx()
