@@ -43,6 +43,12 @@ class Metrics:
         self.streamed = Counter(p + "streamed_kv_bytes_total", "K/V bytes written out of memory layer by layer "
                                 "by calls whose context streams (severe plans under the prefill budget)",
                                 registry=r)
+        self.weights_read = Counter(p + "weights_streamed_bytes_total", "Weight bytes the model executor brought "
+                                    "into memory for fragments beyond the resident limit (weights_resident_bytes)",
+                                    registry=r)
+        self.weights = Gauge(p + "weights_bytes", "The executor's weight fragments: resident, streamed per forward "
+                             "pass, and the streaming window (at most in memory besides the resident ones)",
+                             ["part"], registry=r)
         self.recompute = Counter(p + "recompute_chunks_total", "Chunks recomputed from token ids",
                                  ["policy", "reason"], registry=r)
         self.io_fraction = Gauge(p + "pipeline_io_fraction", "Of the last restore's missing chunks, the "

@@ -439,6 +439,12 @@ class ExecutorActor(Health):
         self.metrics.start("executor", c.data_dir)
         init_executor_series(self.metrics, self.policy)
         restarted("executor", c.data_dir, self.metrics)
+        self._weights_seen = 0  # the weight pager's bytes read, as last counted
+        if model.weight_pager is not None:
+            plan = model.weight_pager.plan
+            for part, n in (("resident", plan.resident_bytes), ("streamed", plan.streamed_bytes),
+                            ("window", plan.window_bytes)):
+                self.metrics.weights.labels(part).set(n)
 
     def _observe(self, out: dict) -> None:
         from actors.metrics import switch_outcome
@@ -451,6 +457,11 @@ class ExecutorActor(Health):
         m.tokens.labels(p).inc(out["completion_tokens"])
         m.prefill_tokens.labels(out["prefill_plan"] or "unbudgeted").inc(out["prefilled_tokens"])
         m.streamed.inc(out["streamed_bytes"])
+        pager = self.ex.engine.model.weight_pager
+        if pager is not None:
+            read = pager.bytes_read
+            m.weights_read.inc(read - self._weights_seen)
+            self._weights_seen = read
         m.decode_seconds.labels(p).inc(max(0.0, out["total_s"] - out["ttft_s"]))
         if r["recomputed"]:
             m.recompute.labels(p, "fault").inc(r["faults"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -80,9 +81,11 @@ def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster,
 def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, reference, tmp_path):
     """The Fault primitive in a restore that also decodes resident chunks and loads others: the files
     of the loaded ones are corrupt, so they are recomputed after the resident ones are in (recompute
-    attends to them); the replies are still exactly the engine's."""
+    attends to them); the replies are still exactly the engine's. The executor and the recompute worker
+    stream their weights beyond 32 MiB of resident fragments (weights_resident_bytes), which changes no
+    value, and the executor's metrics count what it read."""
     # ~9 raw chunks: 4 contexts don't fit
-    svc = start(tmp_path, "vllm-s", "t-mixed", pool_bytes=7 << 20)
+    svc = start(tmp_path, "vllm-s", "t-mixed", pool_bytes=7 << 20, weights_resident_bytes=32 << 20)
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
     assert [svc.call(tok, c, p, max_tokens=8).token_ids for c, p in zip(ctxs, PROMPTS)] == reference[0]
@@ -103,6 +106,11 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
         assert len(decoded) == len(set(decoded)) == r.resident + r.loaded
         assert not set(decoded) & set(int(i) for i in r.failed)
     assert any(mixed), "no restore had both resident chunks and a failing load"
+    [target] = json.loads(next((tmp_path / "metrics").glob("executor-*.json")).read_text())[0]["targets"]
+    scraped = urllib.request.urlopen(f"http://{target}/metrics", timeout=30).read().decode()
+    series = dict(line.rsplit(" ", 1) for line in scraped.splitlines() if line.startswith("llmaas_weights"))
+    assert float(series["llmaas_weights_streamed_bytes_total"]) > 0
+    assert 0 < float(series['llmaas_weights_bytes{part="resident"}']) <= 32 << 20
     svc.close()
 
 
