@@ -46,6 +46,7 @@ def main(argv=None) -> int:
                     help="skip the chunked-swap baseline")
     ap.add_argument("--accelerate-mib", type=int, default=64,
                     help="max_memory of the accelerate offload baseline, MiB (default 64; 0 skips it)")
+    ap.add_argument("--weights", default="fp32", metavar="FORMAT", help="weight format (default fp32)")
     ap.add_argument("--weights-resident", type=int, default=None, metavar="MIB",
                     help="stream the weights beyond this many MiB of resident fragments (engine/weightpager.py): "
                          "the run with a total budget, weights included (default: every weight resident)")
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(a.threads)
     resident = None if a.weights_resident is None else a.weights_resident << 20
-    engine = ContextEngine.load(None, EngineConfig(weights_resident_bytes=resident), progress=False)
+    engine = ContextEngine.load(None, EngineConfig(weights=a.weights, copy_weights=False,
+                                                   weights_resident_bytes=resident), progress=False)
     model, cfg = engine.model, engine.model.cfg
     ids = real_text_ids(engine.tok)
     if max(a.lengths) > min(len(ids), cfg.max_positions):

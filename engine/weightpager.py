@@ -87,7 +87,8 @@ def stage_fragments(arrays: dict[str, np.ndarray], n_layers: int) -> list[Fragme
 
 
 def _held_tensors(obj, seen: set[int]):
-    """Every tensor reachable from the engine's weight objects (dataclasses, lists, slotted classes)."""
+    """Every tensor reachable from the engine's weight objects (engine.model.Weights, its layers, the
+    engine's Linear and Embedding classes, lists of them); nothing else is looked into."""
     if id(obj) in seen or obj is None:
         return
     seen.add(id(obj))
@@ -97,6 +98,8 @@ def _held_tensors(obj, seen: set[int]):
     if isinstance(obj, (list, tuple)):
         for x in obj:
             yield from _held_tensors(x, seen)
+        return
+    if not type(obj).__module__.startswith("engine."):
         return
     names = set()
     for cls in type(obj).__mro__:
@@ -131,7 +134,7 @@ class WeightPager:
         self.events: collections.deque = collections.deque(maxlen=4096)
         """("use" | "read" | "release", stage) in the order they happened (the read as it begins)."""
         self.bytes_read = 0
-        """Streamed bytes brought in so far (read ahead or faulted at `use`)."""
+        """Streamed bytes brought in so far (read ahead, or in line at `use`)."""
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         for lo, n in self._resident:
@@ -145,8 +148,7 @@ class WeightPager:
         used in place from its mapped file."""
         frags = stage_fragments(arrays, n_layers)
         plan = plan_fragments(frags, resident_limit, n_layers + 1, read_ahead=prefetch)
-        held = {t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
-                for t in _held_tensors(weights, set()) if t.device.type == "cpu"}
+        held = {t.data_ptr() for t in _held_tensors(weights, set()) if t.device.type == "cpu"}
         spans = {}
         for f in frags:
             span = array_span(arrays[f.name])
