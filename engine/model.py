@@ -264,6 +264,9 @@ class Transformer:
         fmt = WeightFormat.parse(engine_cfg.weights)
         from engine.weightcache import engine_arrays
 
+        if engine_cfg.weights_resident_bytes is not None and device.type != "cpu":
+            raise ValueError("streamed weights (weights_resident_bytes) run on the CPU only; on "
+                             f"{device.type} every weight is resident")
         cfg, arrays = engine_arrays(directory, fingerprint, fmt, progress=progress)
         weights = load_weights(arrays, cfg, device, dtype, fmt, int8_activations=engine_cfg.int8_activations,
                                copy=engine_cfg.copy_weights and device.type == "cpu"
@@ -271,9 +274,6 @@ class Transformer:
         model = cls(cfg, weights, engine_cfg)
         model.fingerprint = fingerprint or ""
         if engine_cfg.weights_resident_bytes is not None:
-            if device.type != "cpu":
-                raise ValueError("streamed weights (weights_resident_bytes) run on the CPU only; on "
-                                 f"{device.type} every weight is resident")
             from engine.weightpager import WeightPager
 
             model.weight_pager = WeightPager.of_model(arrays, weights, cfg.n_layers, engine_cfg.weights_resident_bytes,
