@@ -23,6 +23,7 @@ of the prefill's hidden state.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -105,6 +106,36 @@ class MappedFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22
+_LIBC: list = []  # [libc with madvise declared], loaded on first use
+
+
+def advise(address: int, nbytes: int, advice: int, *, inner: bool) -> None:
+    """madvise(2) on the pages of the bytes `[address, address + nbytes)` of this process: every page
+    they touch, or (`inner`) only the pages wholly inside them, so that dropping those never touches a
+    neighbour's bytes. POPULATE_READ falls back to WILLNEED on a kernel before 5.14. OSError otherwise."""
+    if inner:
+        lo, hi = -(-address // PAGE) * PAGE, (address + nbytes) // PAGE * PAGE
+    else:
+        lo, hi = address // PAGE * PAGE, -(-(address + nbytes) // PAGE) * PAGE
+    if hi <= lo:
+        return
+    if not _LIBC:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _LIBC.append(libc)
+    if _LIBC[0].madvise(lo, hi - lo, advice) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        if advice == MADV_POPULATE_READ and err == errno.EINVAL:  # before 5.14: ask, and return
+            _LIBC[0].madvise(lo, hi - lo, MADV_WILLNEED)
+            return
+        raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
 
 
 def mapped_rss(select) -> int:

@@ -260,13 +260,10 @@ def copy_out(a: np.ndarray) -> np.ndarray:
     (`madvise(MADV_DONTNEED)` on the whole pages inside it: they stay in the page cache for other
     processes, and a later read of a neighbour refaults them)."""
     out = np.array(a)
-    page = os.sysconf("SC_PAGE_SIZE")
-    start, end = -(-a.ctypes.data // page) * page, (a.ctypes.data + a.nbytes) // page * page
-    if isinstance(a, np.memmap) and end > start and sys.platform.startswith("linux"):
-        import ctypes
+    if isinstance(a, np.memmap) and sys.platform.startswith("linux"):
+        from engine.kvspill import MADV_DONTNEED, advise
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+        advise(a.ctypes.data, a.nbytes, MADV_DONTNEED, inner=True)
     return out
 
 

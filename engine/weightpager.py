@@ -27,9 +27,6 @@ refuses such a configuration with a clear error rather than count memory it does
 from __future__ import annotations
 
 import collections
-import ctypes
-import errno
-import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,11 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kvspill import mapped_rss
+from engine.kvspill import MADV_DONTNEED, MADV_POPULATE_READ, advise, mapped_rss
 from scheduler.fragments import Fragment, FragmentPlan, plan_fragments
-
-PAGE = mmap.PAGESIZE
-MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +114,8 @@ class WeightPager:
         self.drop_cache = drop_cache
         """Also drop released stages from the page cache (cold reads; for measuring)."""
         self.stages = len(plan.streamed)
-        self._outer = [[self._pages(spans[n], outer=True) for n in names] for names in plan.streamed]
-        self._inner = [[self._pages(spans[n], outer=False) for n in names] for names in plan.streamed]
-        self._files = [[(spans[n].path, spans[n].offset, spans[n].nbytes) for n in names] for names in plan.streamed]
-        self._resident = [self._pages(spans[n], outer=True) for n in plan.resident]
+        self._streamed = [[spans[n] for n in names] for names in plan.streamed]
+        self._resident = [spans[n] for n in plan.resident]
         self._addresses = sorted(s.address for s in spans.values())
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -135,10 +127,8 @@ class WeightPager:
         """("use" | "read" | "release", stage) in the order they happened (the read as it begins)."""
         self.bytes_read = 0
         """Streamed bytes brought in so far (read ahead, or in line at `use`)."""
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self._libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        for lo, n in self._resident:
-            self._advise(lo, n, MADV_POPULATE_READ)
+        for sp in self._resident:
+            advise(sp.address, sp.nbytes, MADV_POPULATE_READ, inner=False)
 
     @classmethod
     def of_model(cls, arrays: dict[str, np.ndarray], weights, n_layers: int, resident_limit: int, *,
@@ -181,7 +171,7 @@ class WeightPager:
             if in_line:
                 self._mapped.add(stage)
                 self.bytes_read += self._stage_bytes(stage)
-            if self.prefetch and nxt != stage and nxt not in self._mapped and self._outer[nxt]:
+            if self.prefetch and nxt != stage and nxt not in self._mapped and self._streamed[nxt]:
                 self._mapped.add(nxt)
                 self.bytes_read += self._stage_bytes(nxt)
                 self._pending[nxt] = self._pool.submit(self.read, nxt)
@@ -193,8 +183,8 @@ class WeightPager:
     def read(self, stage: int) -> None:
         """Bring a stage's streamed fragments into this process's memory (what the read ahead runs)."""
         self.events.append(("read", stage))
-        for lo, n in self._outer[stage]:
-            self._advise(lo, n, MADV_POPULATE_READ)
+        for sp in self._streamed[stage]:
+            advise(sp.address, sp.nbytes, MADV_POPULATE_READ, inner=False)
 
     def _release(self, stage: int) -> None:
         fut = self._pending.pop(stage, None)
@@ -202,14 +192,13 @@ class WeightPager:
             fut.result()
         self._mapped.discard(stage)
         self.events.append(("release", stage))
-        for lo, n in self._inner[stage]:
-            self._advise(lo, n, MADV_DONTNEED)
-        if self.drop_cache:
-            for path, offset, nbytes in self._files[stage]:
-                fd = self._fds.get(path)
+        for sp in self._streamed[stage]:
+            advise(sp.address, sp.nbytes, MADV_DONTNEED, inner=True)
+            if self.drop_cache:
+                fd = self._fds.get(sp.path)
                 if fd is None:
-                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
-                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+                    fd = self._fds[sp.path] = os.open(sp.path, os.O_RDONLY)
+                os.posix_fadvise(fd, sp.offset, sp.nbytes, os.POSIX_FADV_DONTNEED)
 
     def release_all(self) -> None:
         """Take every streamed stage out of memory (the next pass reads each again)."""
@@ -237,29 +226,8 @@ class WeightPager:
             os.close(fd)
         self._fds.clear()
 
-    # ---- pages ---------------------------------------------------------------------------------------
     def _stage_bytes(self, stage: int) -> int:
-        return sum(n for _, _, n in self._files[stage])
-
-    @staticmethod
-    def _pages(span: Span, *, outer: bool) -> tuple[int, int]:
-        """The span's page range: every page it touches (`outer`), or only the pages wholly inside it
-        (those it can release without touching a neighbour's)."""
-        if outer:
-            lo, hi = span.address // PAGE * PAGE, -(-(span.address + span.nbytes) // PAGE) * PAGE
-        else:
-            lo, hi = -(-span.address // PAGE) * PAGE, (span.address + span.nbytes) // PAGE * PAGE
-        return lo, max(0, hi - lo)
-
-    def _advise(self, lo: int, n: int, advice: int) -> None:
-        if n <= 0:
-            return
-        if self._libc.madvise(lo, n, advice) != 0:
-            err = ctypes.get_errno()
-            if advice == MADV_POPULATE_READ and err == errno.EINVAL:  # a kernel before 5.14: ask, and return
-                self._libc.madvise(lo, n, MADV_WILLNEED)
-                return
-            raise OSError(err, f"madvise({advice}) on the weights: {os.strerror(err)}")
+        return sum(sp.nbytes for sp in self._streamed[stage])
 
 
 __all__ = ["Span", "WeightPager", "array_span", "stage_fragments"]

@@ -10,7 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model import Transformer
-from engine.weightpager import PAGE
+from engine.kvspill import PAGE
 
 LIMIT = 64 << 20
 IDS = list(range(200, 520))  # 320 tokens
