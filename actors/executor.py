@@ -9,8 +9,8 @@ chunks and hand them to the governor (after the reply: ahead-of-time swap-out ha
 compute dtype: it includes waiting for a pending write-back, eviction and on-demand writes done for
 this restore, reading, de-quantizing and recomputing; it excludes the new prompt's prefill and decode.
 
-The restore itself is delegated to a `restorer` (`InProcessRestorer` here; `actors.ray_actors` has the
-one on Ray). A plain class implementing `actors.ports.ExecutorPort`: `actors.service.wire_local` calls
+The restore itself is delegated to a `restorer` (`actors.local_restore.InProcessRestorer` in one
+process; `actors.ray_actors` has the one on Ray). A plain class implementing `actors.ports.ExecutorPort`: `actors.service.wire_local` calls
 it directly, `actors.ray_actors.ExecutorActor` makes it a Ray actor. What it deliberately does not
 know: policies (the governor's), how chunks are stored (the IO worker's), HTTP.
 """
@@ -24,15 +24,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
 from actors.admission import admit_prefill, apply_plan, prefill_shape
-from actors.messages import CallOutcome, CallPlan, RagCall, RagOutcome, RestoreRequest, RestoreStats
+from actors.messages import CallOutcome, CallPlan, CommitReply, RagCall, RagOutcome, RestoreStats
 from actors.priority import PriorityLock
 from actors.recompute import stage_seconds
-from actors.restore import host_view, restore
 from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, LiveContext
 from engine.density import DensityTracker
@@ -77,83 +76,6 @@ class _Step:
     loaded: list = field(default_factory=list)
     """(index, encoded chunk, bytes) of the chunks the restore read whole from disk: the write-back
     makes them resident (`MemoryGovernor.loaded`), after the reply."""
-
-
-GROUP_LAYERS = 6
-"""Layers per group a pipelined restore streams in one process (the Ray restorer sizes its groups per
-restore); the governor plans with the resulting number of groups (Eq. 4')."""
-
-
-class InProcessRestorer:
-    """A restore in the executor's own process (`actors.restore.restore`), the reference for the actor
-    path. With recompute planned, a reader thread streams layer groups (file reads and lz4 release the
-    GIL) while this thread decodes and recomputes layer by layer; without, the store's reads are
-    consumed chunk by chunk and de-quantized on a pool of `threads` threads (the compiled codecs and
-    lz4 release the GIL too), so both cores work."""
-
-    def __init__(self, model, io, resolve: Callable[[Any], codecs.EncodedChunk] = lambda h: h,
-                 threads: int = 2, group_layers: int = GROUP_LAYERS, streaming_stores: bool = True,
-                 adapters: AdapterSet | None = None) -> None:
-        self.model = model
-        self.adapters = adapters or AdapterSet(None, model.cfg)
-        """The executor's adapters (the same object): recompute runs under the context's."""
-        self.streaming_stores = streaming_stores
-        self.threads = threads
-        self.group_layers = group_layers
-        self.io = io
-        self.resolve = resolve
-        self.pool = (ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=single_threaded_torch)
-                     if threads > 1 else None)
-
-    def forget_adapter(self, name: str) -> bool:
-        """Nothing to drop: this restorer uses the executor's own adapters."""
-        return False
-
-    def restore(self, ws: KVCache, plan: CallPlan) -> tuple[RestoreStats, list[tuple[int, Any, int]]]:
-        """Fill `ws`; returns what was done and the chunks read whole from disk (index, enc, bytes)."""
-        from actors.swapio import layer_groups
-
-        load = [i for i, _, _ in plan.load]
-        pipelined = bool(plan.recompute and load) and host_view(ws) is not None
-        groups = layer_groups(self.model.cfg.n_layers, self.group_layers if pipelined else self.model.cfg.n_layers)
-        req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
-                             load, list(plan.recompute), groups)
-        items = (_read_ahead(lambda: self.io.read_groups(plan.ctx, load, groups, plan.adapter)) if pipelined
-                 else self.io.read_batches(plan.ctx, load, 1, plan.adapter))
-        stats, whole = restore(ws, req, items, model=self.model, adapter=self.adapters.by_key(plan.adapter),
-                               pool=self.pool,
-                               resolve=lambda hs: [self.resolve(h) for h in hs],
-                               streaming_stores=self.streaming_stores)
-        if pipelined:  # loaded layer by layer: re-encoded from the working set after the call
-            plan.recompute = sorted(set(plan.recompute) | set(stats.failed) | set(load))
-            return stats, []
-        return stats, [(i, enc, enc.nbytes) for i, enc in whole]
-
-
-def _read_ahead(read: Callable[[], Iterable]) -> Iterator:
-    """The items of `read()`, produced by a thread of their own (one item ahead of the consumer at least)."""
-    import queue
-
-    q: queue.Queue = queue.Queue()
-
-    def reader() -> None:
-        single_threaded_torch()
-        try:
-            for item in read():
-                q.put(item)
-        except BaseException as e:  # handed to the consumer, raised there
-            q.put(e)
-        q.put(None)
-
-    t = threading.Thread(target=reader, name="kv-reader", daemon=True)
-    t.start()
-    try:
-        while (item := q.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        t.join()
 
 
 class ModelExecutor:
@@ -396,15 +318,18 @@ class ModelExecutor:
                 if step.confirm is not None:
                     step.confirm()  # the deferred begin_call's errors surface here, before anything is committed
                     step.confirm = None
-                todo, state_json = self._commit(step.plan, ectx, first_modified, list(step.plan.recompute),
-                                                request_id, r, unreadable=sorted(stats.failed))
+                reply, state_json = self._commit(step.plan, ectx, first_modified, list(step.plan.recompute),
+                                                 request_id, r, unreadable=sorted(stats.failed))
+                todo = reply.todo
             except BaseException:
                 self._abort(step)
                 raise
             self._last = (ctx_id, app, ectx, state_json)
             # read whole and unchanged by the call: resident as read, not encoded again
             loaded = [c for c in step.loaded if c[0] < first_modified and c[0] not in todo]
-            self._schedule_write_back(ctx_id, todo, loaded)
+            if reply.write_through:  # on disk already; the pool is no place for a context this large
+                loaded = []
+            self._schedule_write_back(ctx_id, todo, loaded, through=step.plan.adapter if reply.write_through else None)
         return CallOutcome(
             text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens, switch_ms=switch_ms, restore=stats,
@@ -518,13 +443,15 @@ class ModelExecutor:
                 step.confirm()
         self.gov.abort_call(step.plan.ctx)
 
-    def _schedule_write_back(self, ctx: str, todo: dict[int, str], loaded: list | None = None) -> None:
-        """Encode and admit the call's chunks after the reply (on the write-back thread when there is one)."""
+    def _schedule_write_back(self, ctx: str, todo: dict[int, str], loaded: list | None = None,
+                             through: str | None = None) -> None:
+        """Encode and admit the call's chunks after the reply (on the write-back thread when there is
+        one); `through`: written to disk by the executor under that adapter key (`_write_through`)."""
         encoded = threading.Event()
         # on the CPU, views of the chunks' slots as they are now: the next call on this context only
         # writes past them (`_await_write_back`); elsewhere the write-back copies them itself
         arrays = {i: self.ws.chunk_array(i) for i in todo} if self.ws.device.type == "cpu" else None
-        job = lambda: self._write_back(ctx, todo, encoded, loaded or [], arrays)  # noqa: E731
+        job = lambda: self._write_back(ctx, todo, encoded, loaded or [], arrays, through)  # noqa: E731
         if self._bg is not None:
             self._pending, self._pending_ctx, self._encoded = self._bg.submit(job), ctx, encoded
             self._pending_views = arrays is not None
@@ -575,9 +502,9 @@ class ModelExecutor:
         )
 
     def _commit(self, plan: CallPlan, ectx: LiveContext, first_modified: int, restored: list[int],
-                request_id: str | None, r, unreadable: list[int] = ()) -> tuple[dict[int, str], str]:
-        """Make the turn durable at the governor (once per `request_id`); returns the chunks to encode
-        and the state JSON saved."""
+                request_id: str | None, r, unreadable: list[int] = ()) -> tuple[CommitReply, str]:
+        """Make the turn durable at the governor (once per `request_id`); returns its reply (the chunks
+        to encode) and the state JSON saved."""
         state = {
             "system_prompt": ectx.system_prompt,
             "turns": [{"role": t.role, "text": t.text} for t in ectx.conv.turns],
@@ -592,19 +519,29 @@ class ModelExecutor:
         state_json, density = json.dumps(state), density_blob(ectx.density)
         reply = self.gov.commit_call(plan.ctx, ectx.token_ids, text, state_json, density, ectx.cache.length,
                                      ectx.density.chunk_density(self.chunk), first_modified, restored,
-                                     request_id=request_id, unreadable=list(unreadable))
+                                     request_id=request_id, unreadable=list(unreadable),
+                                     streamed=self.ws.pager is not None and self.ws.pager.streaming)
         if reply.repeated:  # not expected (`_committed_outcome` answered such a call before it ran)
             raise RuntimeError(f"call {request_id} on {plan.ctx} was committed twice")
-        return reply.todo, state_json
+        return reply, state_json
 
     def _write_back(self, ctx: str, todo: dict[int, str], done_reading: threading.Event | None = None,
-                    loaded: list | None = None, arrays: dict | None = None) -> None:
+                    loaded: list | None = None, arrays: dict | None = None, through: str | None = None) -> None:
         """Encode the chunks the governor asked for and admit them to the pool (after the reply), with
         the `loaded` chunks the restore read whole (index, encoded chunk, bytes). The chunks are encoded
         straight from the working set (`arrays`: views of their slots taken at the commit): the next
-        call waits for that part (`done_reading`, `_await_write_back`) before it writes there."""
+        call waits for that part (`done_reading`, `_await_write_back`) before it writes there.
+        `through` (an adapter key): written to disk here instead (`_write_through`)."""
         try:
             order = sorted(todo.items())
+            if through is not None:
+                try:
+                    stored = self._write_through(ctx, order, arrays, through)
+                finally:
+                    if done_reading is not None:
+                        done_reading.set()
+                self.gov.admit(ctx, [], {}, stored)
+                return
             try:
                 encs = [codecs.encode(arrays[i] if arrays is not None else self.ws.chunk_array(i), level,
                                       dtype=self.level_dtype) for i, level in order]
@@ -623,6 +560,35 @@ class ModelExecutor:
             with contextlib.suppress(Exception):  # admit unlocks even when it fails; before it, this does
                 self.gov.abort_call(ctx)
             raise
+
+    def _write_through(self, ctx: str, order: list[tuple[int, str]], arrays: dict | None,
+                       adapter: str) -> list[tuple[int, str, dict]]:
+        """A streamed context's chunks (index, level) encoded and written to disk by the IO worker a
+        batch at a time, each batch at most one streamed layer's slab of bytes (memory the prefill's
+        plan already counted): never all of them in memory, nor in the object store, at once. The
+        pages the reads faulted in are let go after each batch. Returns (index, level, meta) each."""
+        pager = self.ws.pager
+        stored: list[tuple[int, str, dict]] = []
+        batch: list[tuple[int, str, codecs.EncodedChunk]] = []
+        held = 0
+
+        def write() -> None:
+            metas = self.io.write(ctx, [(i, enc, i * self.chunk) for i, _level, enc in batch], adapter)
+            stored.extend((i, level, meta) for (i, level, _enc), meta in zip(batch, metas))
+            batch.clear()
+            pager.unmap_streamed()
+
+        for i, level in order:
+            enc = codecs.encode(arrays[i] if arrays is not None else self.ws.chunk_array(i), level,
+                                dtype=self.level_dtype)
+            batch.append((i, level, enc))
+            held += enc.nbytes
+            if held >= pager.layer_bytes:
+                write()
+                held = 0
+        if batch:
+            write()
+        return stored
 
 
 def adapter_info(a: Adapter) -> dict:

@@ -343,7 +343,8 @@ class MemoryGovernor:
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
-                    request_id: str | None = None, unreadable: list[int] | None = None) -> CommitReply:
+                    request_id: str | None = None, unreadable: list[int] | None = None,
+                    streamed: bool = False) -> CommitReply:
         """Make the call's new token ids durable (before the reply completes) and plan compression.
 
         `first_modified` is the first chunk whose K/V the call changed (the old partial chunk, or 0
@@ -359,6 +360,11 @@ class MemoryGovernor:
         (a call retried after its executor stopped between the commit and the reply), nothing is
         saved and the reply says `repeated`. The id is kept in the saved state too (the executor
         writes it there), so a governor rebuilt from the registry knows it.
+
+        `streamed`: the executor's working set streams layers (the context is larger than its memory
+        budget). Under a swap policy the reply says `write_through`: the executor writes the chunks
+        to disk itself, a batch at a time, rather than putting them all in the pool to be evicted
+        (`admit`'s `stored`).
         """
         book = self.books[ctx]
         if request_id is not None and request_id == book.request_id:
@@ -390,7 +396,10 @@ class MemoryGovernor:
                 todo[i] = plan.levels[i]
             if ch is not None:
                 ch.density = float(chunk_density[i])
-        return CommitReply(todo)
+        through = streamed and self.policy.on_pressure == "swap"
+        if through:  # a write ahead of time of an older copy must not land after the executor's
+            self._settle(ctx, list(todo))
+        return CommitReply(todo, write_through=through)
 
     def room(self) -> float | None:
         """The mean compression ratio the pool allows now (None when `raw_chunk_bytes` is unknown):
@@ -408,13 +417,23 @@ class MemoryGovernor:
             return None
         return L.ratio("raw", self.cfg.dtype) * self.cfg.pool_bytes / (n * self.cfg.raw_chunk_bytes)
 
-    def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
+    def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int],
+              stored: list[tuple[int, str, dict]] | None = None) -> None:
         """Take the call's newly encoded chunks into the pool: (index, level, handle, nbytes). Evicts
-        to stay within budget, writes ahead of time when the policy says so, then unlocks `ctx`."""
+        to stay within budget, writes ahead of time when the policy says so, then unlocks `ctx`.
+        `stored`: chunks the executor wrote to disk itself (`CommitReply.write_through`): (index,
+        level, the IO worker's meta), on disk only; each write replaced the chunk's older record."""
         book = self.books[ctx]
         try:
             self.reap()
             self._settle(ctx, [i for i, *_ in encoded])
+            for i, level, meta in stored or ():
+                ch = book.chunks.get(i)
+                if ch is None:
+                    ch = book.chunks[i] = Chunk(level=level)
+                self._drop_resident(ctx, i, ch)
+                ch.level = level
+                self.stats["swap_out_bytes"] += ch.written(meta)
             for i, level, handle, nbytes in encoded:
                 ch = book.chunks.get(i)
                 if ch is None:

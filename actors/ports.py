@@ -83,11 +83,15 @@ class GovernorPort(Protocol):
 
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
-                    request_id: str | None = None, unreadable: list[int] | None = None) -> CommitReply:
-        """Make the call's turn durable (once per request id) and plan the chunks to encode."""
+                    request_id: str | None = None, unreadable: list[int] | None = None,
+                    streamed: bool = False) -> CommitReply:
+        """Make the call's turn durable (once per request id) and plan the chunks to encode
+        (`streamed`: the executor's working set streams layers, and asks to write them through)."""
 
-    def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int]) -> None:
-        """Take the call's encoded chunks into the pool and unlock the context."""
+    def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int],
+              stored: list[tuple[int, str, dict]] | None = None) -> None:
+        """Take the call's encoded chunks into the pool, and the chunks it wrote itself (`stored`:
+        index, level, the write's meta; `CommitReply.write_through`) as on disk; unlock the context."""
 
     def abort_call(self, ctx: str) -> None:
         """Unlock a context whose call failed."""

@@ -232,9 +232,9 @@ class GovernorActor(Health):
         with self._books() as g:
             return self._with_releases(g.commit_call(*args))
 
-    def admit(self, ctx: str, encoded: list, token_starts: dict[int, int]) -> WithReleases:
+    def admit(self, ctx: str, encoded: list, token_starts: dict[int, int], stored: list | None = None) -> WithReleases:
         with self._books() as g:
-            return self._with_releases(g.admit(ctx, encoded, token_starts))
+            return self._with_releases(g.admit(ctx, encoded, token_starts, stored))
 
     def rehome(self, handles: list) -> WithReleases:
         """Resident chunks the executor put again (`ResidentRefs.put`): their new handles, by key."""

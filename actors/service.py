@@ -57,7 +57,7 @@ class Components:
 def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: str = "auto") -> Components:
     """The components' configurations for a model of shape `model` computing in `dtype` (the governor
     and the codecs see `kv8` when the working set holds that format)."""
-    from actors.executor import GROUP_LAYERS
+    from actors.local_restore import GROUP_LAYERS
     from actors.swapio import layer_groups
 
     if config.kv_format == "kv8":  # the working set's chunks are its rows: that is `raw` then
@@ -257,7 +257,8 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
     """Everything in this process, no Ray: the reference for the actor path. `engine` may be passed to
     share an already loaded model; `profile` (a `CostProfile`) skips measuring one."""
     from actors.admission import streamable_working_set
-    from actors.executor import InProcessRestorer, ModelExecutor
+    from actors.executor import ModelExecutor
+    from actors.local_restore import InProcessRestorer
     from actors.governor import MemoryGovernor
     from actors.predictor import QueryPredictor
     from actors.swapio import KVSwapIO

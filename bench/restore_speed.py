@@ -8,7 +8,7 @@ tokenized as one document) and, per repetition:
   density on, as the service runs a prefill (`Transformer.forward` with a density accumulator);
 - **restore from disk**, what the service does when every chunk of the context is swapped out: the
   chunks were written as chunk files (`KVSwapIO.write` over `storage.chunkstore.ChunkStore`, fsync per
-  file) and the service's restorer (`actors.executor.InProcessRestorer`, as the in-process wiring (`wire_local`) wires it)
+  file) and the service's restorer (`actors.local_restore.InProcessRestorer`, as the in-process wiring (`wire_local`) wires it)
   reads them (`KVSwapIO.read`: prefetch, then one checked read per file) and decodes them into the
   working set. *Warm*: the files are in the page cache (a swap-out moments before); *cold*: every file
   is fsynced and dropped from the page cache (`posix_fadvise DONTNEED`, as `bench.storage_speed`)
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     if args.reps < 1 or min(args.lengths) < 1:
         ap.error("--reps and --lengths must be positive")
 
-    from actors.executor import InProcessRestorer
+    from actors.local_restore import InProcessRestorer
     from actors.swapio import KVSwapIO
     from bench.storage_speed import disk_name
     from engine.config import EngineConfig

@@ -107,12 +107,12 @@ class FakeGovernor:
         self.log.append("record_restore")
 
     def commit_call(self, ctx, token_ids, text, state, density, kv_tokens, chunk_density, first_modified,
-                    restored=None, request_id=None, unreadable=None):
+                    restored=None, request_id=None, unreadable=None, streamed=False):
         self.log.append("commit_call")
         self.saved[ctx] = (list(token_ids), state)
         return CommitReply({i: "raw" for i in range(-(-kv_tokens // CHUNK))})
 
-    def admit(self, ctx, encoded, token_starts):
+    def admit(self, ctx, encoded, token_starts, stored=None):
         self.log.append(("admit", len(encoded)))
 
     def abort_call(self, ctx):
@@ -226,10 +226,10 @@ class GatedGovernor(FakeGovernor):
         self.pending.add(ctx)
         return super().commit_call(ctx, *args, **kw)
 
-    def admit(self, ctx, encoded, token_starts):
+    def admit(self, ctx, encoded, token_starts, stored=None):
         self.admitting.set()
         self.gate.wait()
-        super().admit(ctx, encoded, token_starts)
+        super().admit(ctx, encoded, token_starts, stored)
         self.pending.discard(ctx)
 
 

@@ -55,16 +55,35 @@ def test_a_long_prompt_runs_in_partitions_or_is_refused_with_its_estimate(small_
 
     severe = plan_prefill(shape, new, cached, 8 << 20)
     assert severe.kind == "severe" and severe.resident_layers < e.model.cfg.n_layers, severe
+    other = e.new_ctx(SYSTEM)
+    after = [e.call(other, "Hi.", max_tokens=4).token_ids, e.call(ref, "Thanks.", max_tokens=4).token_ids]
     svc = wire_local(ServiceConfig(data_dir=str(tmp_path / "s"), max_context_tokens=2048, profile=PROFILE,
-                                   prefill_budget_bytes=8 << 20), engine=e)
+                                   policy="swap", prefill_budget_bytes=8 << 20), engine=e)
+    ex = svc.executor
+    puts, writes = [], []
+    put, write = ex.put, ex.io.write
+    ex.put = lambda encs: (puts.append(len(encs)), put(encs))[1]
+    ex.io.write = lambda c, todo, adapter="": (writes.append([h.nbytes for _i, h, _t in todo]), write(c, todo, adapter))[1]
     try:  # K/V streamed layer by layer through a mapped file (engine/kvspill.py): the same reply
         tok = svc.bind("app")
-        ctx = svc.new_ctx(tok, SYSTEM)
+        ctx, b = svc.new_ctx(tok, SYSTEM), svc.new_ctx(tok, SYSTEM)
+        ex.flush()
+        puts.clear()
         out = svc.call(tok, ctx, LONG, max_tokens=8)
         assert out.token_ids == want and out.prefill_plan == "severe"
         layers = e.model.cfg.n_layers - severe.resident_layers  # every row of every streamed layer written out
         assert out.streamed_bytes >= layers * (cached + new) * 2 * e.model.cfg.n_kv_heads * e.model.cfg.head_dim * 4
-        assert svc.call(tok, ctx, "Thanks.", max_tokens=4).token_ids
+        ex.flush()  # written through (`ModelExecutor._write_through`): on disk in batches of at most a
+        # streamed layer's slab and one chunk, none of it in the pool
+        n = -(-(cached + new + len(out.token_ids)) // 16)
+        chunk_bytes = max(max(w) for w in writes)
+        assert not any(puts) and sum(map(len, writes)) >= n - 1 and len(writes) > 1, (puts, writes)
+        assert all(sum(w) < ex.ws.pager.layer_bytes + chunk_bytes for w in writes), writes
+        chunks = svc.describe(tok, ctx)["chunks"]
+        assert chunks["resident"] == {} and sum(chunks["swapped"].values()) == chunks["total"], chunks
+        assert svc.call(tok, b, "Hi.", max_tokens=4).token_ids == after[0]
+        back = svc.call(tok, ctx, "Thanks.", max_tokens=4)  # read back from those records
+        assert back.restore.loaded > 0 and back.token_ids == after[1], back.restore
     finally:
         svc.close()
 

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from actors.executor import InProcessRestorer, ModelExecutor
+from actors.executor import ModelExecutor
+from actors.local_restore import InProcessRestorer
 from actors.service import ServiceConfig, wire_local
 from engine.config import EngineConfig
 from engine.context import ContextEngine
@@ -41,7 +42,7 @@ def test_a_call_retried_after_its_executor_died_past_the_commit_appends_once(svc
     svc.call(tok, ctx, "Name a fruit.", max_tokens=4)
     before = turns(svc, ctx)
 
-    def die(*_args):
+    def die(*_args, **_kw):
         raise Died()
 
     svc.executor._schedule_write_back = die  # the commit is made, the reply never leaves
