@@ -61,6 +61,13 @@ def apply_plan(ws: KVCache, plan: PrefillPlan) -> dict:
     return {"partition_rows": plan.partition_rows if plan.kind in ("moderate", "severe") else None}
 
 
+def restore_layers(shape: PrefillShape, kv_tokens: int, budget: int) -> int:
+    """Layers of a context of `kv_tokens` a restore into a streamable working set keeps in memory
+    under `budget`: those that decoding one token onto it keeps (the call's own plan may keep fewer)."""
+    plan = plan_prefill(shape, 1, kv_tokens, budget)
+    return plan.resident_layers if plan.kind == "severe" else shape.n_layers
+
+
 def streamable_working_set(model, capacity: int, kv_format: str, directory: str, name: str = "") -> KVCache | None:
     """A working set of `capacity` tokens whose layers can leave memory: K/V in a file under `directory`
     mapped shared (`name`: a file another process can map by its path, unlinked by the caller; empty: a

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from actors.admission import admit_prefill, apply_plan, prefill_shape
+from actors.admission import admit_prefill, apply_plan, prefill_shape, restore_layers
 from actors.messages import CallOutcome, CallPlan, CommitReply, RagCall, RagOutcome, RestoreStats
 from actors.priority import PriorityLock
 from actors.recompute import stage_seconds
@@ -475,6 +475,9 @@ class ModelExecutor:
         self.adapters.by_key(plan.adapter)  # `adapter_unavailable` before the working set is touched
         ws = self.ws
         self.ws_ctx = None
+        if ws.pager is not None and self.prefill_budget:  # a context larger than the budget: the
+            # restore writes the layers it cannot keep out of memory as it fills them
+            ws.pager.set_resident(restore_layers(self._shape, plan.kv_tokens, self.prefill_budget))
         ws.truncate(0)
         ws.reserve(plan.kv_tokens)
         ws.missing = set(range(ws.n_chunks))

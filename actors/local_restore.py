@@ -5,12 +5,13 @@ restorer is checked against. A reader thread stands in for the IO worker's strea
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 from actors.messages import CallPlan, RestoreRequest, RestoreStats
-from actors.restore import host_view, restore
+from actors.restore import STREAMED_AHEAD, host_view, restore, streamed_from
 from engine.kvcache import KVCache
 from engine.lora import AdapterSet
 from engine.threads import single_threaded_torch
@@ -52,10 +53,13 @@ class InProcessRestorer:
 
         load = [i for i, _, _ in plan.load]
         pipelined = bool(plan.recompute and load) and host_view(ws) is not None
-        groups = layer_groups(self.model.cfg.n_layers, self.group_layers if pipelined else self.model.cfg.n_layers)
+        streamed = streamed_from(ws)  # then groups of one layer, one read ahead (`STREAMED_AHEAD`)
+        size = (1 if streamed is not None else self.group_layers) if pipelined else self.model.cfg.n_layers
+        groups = layer_groups(self.model.cfg.n_layers, size)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, h) for i, _, h in plan.resident],
-                             load, list(plan.recompute), groups)
-        items = (_read_ahead(lambda: self.io.read_groups(plan.ctx, load, groups, plan.adapter)) if pipelined
+                             load, list(plan.recompute), groups, resident_layers=streamed)
+        ahead = STREAMED_AHEAD if streamed is not None else None
+        items = (_read_ahead(lambda: self.io.read_groups(plan.ctx, load, groups, plan.adapter), ahead) if pipelined
                  else self.io.read_batches(plan.ctx, load, 1, plan.adapter))
         stats, whole = restore(ws, req, items, model=self.model, adapter=self.adapters.by_key(plan.adapter),
                                pool=self.pool,
@@ -67,16 +71,20 @@ class InProcessRestorer:
         return stats, [(i, enc, enc.nbytes) for i, enc in whole]
 
 
-def _read_ahead(read: Callable[[], Iterable]) -> Iterator:
-    """The items of `read()`, produced by a thread of their own (one item ahead of the consumer at least)."""
+def _read_ahead(read: Callable[[], Iterable], ahead: int | None = None) -> Iterator:
+    """The items of `read()`, produced by a thread of their own (one item ahead of the consumer at
+    least; at most `ahead` when given)."""
     import queue
 
-    q: queue.Queue = queue.Queue()
+    q: queue.Queue = queue.Queue(maxsize=max(1, ahead) if ahead is not None else 0)
+    stop = threading.Event()
 
     def reader() -> None:
         single_threaded_torch()
         try:
             for item in read():
+                if stop.is_set():
+                    return
                 q.put(item)
         except BaseException as e:  # handed to the consumer, raised there
             q.put(e)
@@ -90,4 +98,8 @@ def _read_ahead(read: Callable[[], Iterable]) -> Iterator:
                 raise item
             yield item
     finally:
-        t.join()
+        stop.set()
+        while t.is_alive():  # a consumer that stopped early: unblock a reader waiting for room
+            with contextlib.suppress(queue.Empty):
+                q.get_nowait()
+            t.join(0.01)

@@ -178,6 +178,9 @@ class RestoreRequest:
     recompute_failed: bool = True
     """Recompute loaded chunks whose file failed here; False: leave them missing, listed in `failed`,
     for the caller (whose concurrent `present` chunks a recompute would read half-filled)."""
+    resident_layers: int | None = None
+    """For a working set that streams layers (a context larger than its budget): layers at or past
+    this one are written out of memory as the restore fills them. None: all stay."""
 
 
 @dataclass(slots=True)

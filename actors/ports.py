@@ -125,10 +125,15 @@ class SwapIOPort(Protocol):
     def read(self, ctx: str, indices: list[int], adapter: str = "") -> tuple[dict[int, Any], dict[int, str]]:
         """Read whole chunks: ({index: EncodedChunk}, {index: error code})."""
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = "") -> Iterator[Any]:
+    # `ahead`: how many items the reader may run ahead of its consumer (None: no bound), which bounds
+    # the memory (on Ray, the object store) a restore into a working set that streams layers holds.
+
+    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = "",
+                     ahead: int | None = None) -> Iterator[Any]:
         """Whole chunks in batches of `batch` (`ChunkBatch` items, object refs on Ray)."""
 
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = "") -> Iterator[Any]:
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = "",
+                    ahead: int | None = None) -> Iterator[Any]:
         """The chunks layer group by layer group (`LayerGroup` items, object refs on Ray)."""
 
     def delete(self, ctx: str, index: int) -> None:

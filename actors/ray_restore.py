@@ -16,7 +16,7 @@ import ray
 from actors.config import Tuning
 from actors.messages import AdapterRef, RestoreRequest
 from actors.ray_stubs import resolve_chunks
-from actors.restore import restore
+from actors.restore import STREAMED_AHEAD, restore, streamed_batch, streamed_from
 from actors.swapio import ChunkBatch, layer_groups
 from engine.threads import single_threaded_torch
 from scheduler.pipeline import layer_group_size
@@ -75,11 +75,12 @@ class RayRestorer:
         keys = [(i, key) for i, key in resident if key in self.held]
         if not plan.recompute:  # nothing reads other chunks' K/V: restore here
             return self._restore_here(ws, plan, keys)
-        size = self.group_size(plan)
+        size = self.group_size(plan) if streamed_from(ws) is None else 1  # one layer at a time in memory
         groups = layer_groups(self.cfg.n_layers, size)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [(i, self.held[key]) for i, key in keys],
                              [i for i, _, _ in plan.load], list(plan.recompute), groups,
-                             self.shm_name, self.capacity, adapter=self._adapter(plan))
+                             self.shm_name, self.capacity, adapter=self._adapter(plan),
+                             resident_layers=streamed_from(ws))
         res = self.worker.restore(req)
         return self._finish(ws, plan, res, size)
 
@@ -95,9 +96,11 @@ class RayRestorer:
         loads = [i for i, _, _ in plan.load]
         # ask for the reads before the decode threads take both cores: the IO worker's request (and the
         # worker itself, which requests no CPU) would otherwise wait behind them
-        refs = self.io.read_batches(plan.ctx, loads, self.batch_size(plan), plan.adapter) if loads else None
+        streamed = streamed_from(ws) is not None  # a bounded stream, one layer's slab a batch
+        refs = (self.io.read_batches(plan.ctx, loads, streamed_batch(ws) if streamed else self.batch_size(plan),
+                                     plan.adapter, ahead=STREAMED_AHEAD if streamed else None) if loads else None)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, keys, loads, [],
-                             [range(self.cfg.n_layers)], recompute_failed=False)
+                             [range(self.cfg.n_layers)], recompute_failed=False, resident_layers=streamed_from(ws))
         items = self._batches(refs, plan.ctx, loads, plan.adapter) if loads else ()
         res, whole = restore(ws, req, items, pool=self.pool, resolve=self._resolve_keys,
                              streaming_stores=self.tuning.streaming_stores)
@@ -105,7 +108,8 @@ class RayRestorer:
             n = -(-plan.kv_tokens // self.chunk_shape[3])
             fix = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, [], [], sorted(res.failed),
                                  [range(self.cfg.n_layers)], self.shm_name, self.capacity,
-                                 present=[i for i in range(n) if i not in res.failed], adapter=self._adapter(plan))
+                                 present=[i for i in range(n) if i not in res.failed], adapter=self._adapter(plan),
+                                 resident_layers=streamed_from(ws))
             again = self.worker.restore(fix)
             res.recomputed = again.recomputed
             res.timeline += again.timeline

@@ -239,6 +239,12 @@ class GovernorStub:
         retry.call(self.handle.drain)
 
 
+def _bounded(method, ahead: int | None):
+    """An actor's streaming-generator method whose items run at most `ahead` ahead of the consumer
+    (Ray's generator backpressure: the actor pauses until the consumer has taken them)."""
+    return method if ahead is None else method.options(_generator_backpressure_num_objects=max(1, ahead))
+
+
 class SwapIOStub:
     """`SwapIOPort` over the IO worker actor; reads return its streaming generators (object refs)."""
 
@@ -256,11 +262,12 @@ class SwapIOStub:
     def read(self, ctx: str, indices: list[int], adapter: str = "") -> tuple[dict[int, Any], dict[int, str]]:
         return retry.call(self.handle.read, ctx, indices, adapter)
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = ""):
-        return self.handle.read_batches.remote(ctx, indices, batch, adapter)
+    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = "", ahead: int | None = None):
+        return _bounded(self.handle.read_batches, ahead).remote(ctx, indices, batch, adapter)
 
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = ""):
-        return self.handle.read_groups.remote(ctx, indices, groups, adapter)
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = "",
+                    ahead: int | None = None):
+        return _bounded(self.handle.read_groups, ahead).remote(ctx, indices, groups, adapter)
 
     def delete(self, ctx: str, index: int) -> None:
         retry.call(self.handle.delete, ctx, index)

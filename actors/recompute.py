@@ -23,7 +23,7 @@ import torch
 
 from actors.config import Tuning, private_files
 from actors.messages import RestoreRequest, RestoreStats
-from actors.restore import restore
+from actors.restore import STREAMED_AHEAD, restore
 from engine.config import ModelConfig
 from engine.kvcache import KVCache, buffer_shape
 
@@ -69,17 +69,13 @@ class FileSegment:
 
 
 def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,
-                       kv_format: str = "float") -> tuple[shared_memory.SharedMemory | FileSegment, torch.Tensor]:
+                       kv_format: str = "float") -> tuple[shared_memory.SharedMemory, torch.Tensor]:
     """A float32 `[L, 2, Hkv, capacity, D]` tensor (`kv8`: uint8 rows of D + 4) over POSIX shared
-    memory `name`, or over the file `name` when it is a path. Pages cost memory only once written."""
+    memory `name`. Pages cost memory only once written. (A streamable working set is a file instead:
+    `actors.admission.streamable_working_set`, mapped by `engine.kvcache.KVCache.mapped`.)"""
     from actors.swapio import attach_segment
 
     shape, dtype = _working_set_shape(cfg, capacity, kv_format)
-    if os.sep in name:
-        from engine.kvspill import MappedFile
-
-        f = MappedFile(name, working_set_nbytes(cfg, capacity, kv_format), create=create)
-        return FileSegment(f), f.tensor(shape, torch.uint8 if kv_format == "kv8" else torch.float32)
     if create:
         try:  # a segment left by a crashed executor of the same name
             old = shared_memory.SharedMemory(name=name)
@@ -124,10 +120,16 @@ class RecomputeWorker:
         if self.shm is None or self.shm_name != name:
             if self.shm is not None:
                 self.shm.close()
-            self.shm, buf = shared_working_set(self.model.cfg, capacity, name, create=False,
-                                               kv_format=self.model.engine_cfg.kv_format)
+            kv_format = self.model.engine_cfg.kv_format
+            if os.sep in name:  # a file (a streamable working set): mapped with a pager of its own, so
+                # a restore can write the layers it streams out of this process's memory too
+                self.ws = KVCache.mapped(self.model.cfg, name, capacity, chunk_tokens=self.chunk_tokens,
+                                         dtype=self.model.dtype, kv_format=kv_format, create=False)
+                self.shm = FileSegment(self.ws.pager.file)
+            else:
+                self.shm, buf = shared_working_set(self.model.cfg, capacity, name, create=False, kv_format=kv_format)
+                self.ws = KVCache.wrap(self.model.cfg, buf, chunk_tokens=self.chunk_tokens, dtype=self.model.dtype)
             self.shm_name = name
-            self.ws = KVCache.wrap(self.model.cfg, buf, chunk_tokens=self.chunk_tokens, dtype=self.model.dtype)
         return self.ws
 
     def forget_adapter(self, name: str) -> bool:
@@ -149,8 +151,9 @@ class RecomputeWorker:
         from actors.ray_stubs import resolve_chunks
 
         ws = self._attach(req.shm_name, req.capacity)
+        ahead = STREAMED_AHEAD if req.resident_layers is not None else None  # a bounded stream
         items = (ray.get(ref) for ref in self.io.read_groups(req.ctx, req.load, req.groups,
-                                                                       req.adapter.key if req.adapter else "")) if req.load else ()
+                                                             req.adapter.key if req.adapter else "", ahead)) if req.load else ()
         a = req.adapter
         adapter = self.adapters.resolve(a.name, a.path, a.key) if a is not None else None
         res, _whole = restore(ws, req, items, model=self.model, adapter=adapter, resolve=resolve_chunks,

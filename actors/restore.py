@@ -45,6 +45,24 @@ def host_view(ws: KVCache) -> np.ndarray | None:
     return ws.kv.numpy() if ws.device.type == "cpu" and ws.kv.dtype != torch.bfloat16 else None
 
 
+STREAMED_AHEAD = 1
+"""Items (layer groups of one layer, or one layer's slab of whole chunks) a reader may run ahead of a
+restore into a working set that streams layers: the next layer read ahead, as the severe prefill plan
+counts it (scheduler/prefill.py), so neither memory nor the object store holds more of the context."""
+
+
+def streamed_batch(ws: KVCache) -> int:
+    """Whole chunks per read batch for a restore into a working set that streams layers: one layer's
+    slab of them (what `_Streamed` writes out at a time)."""
+    return max(1, ws.pager.layer_bytes // (ws.nbytes() // ws.capacity * ws.chunk_tokens))
+
+
+def streamed_from(ws: KVCache) -> int | None:
+    """The first layer a working set that streams layers writes out of memory (its pager's resident
+    count), None when it keeps all: a restore's `RestoreRequest.resident_layers`."""
+    return ws.pager.resident if ws.pager is not None and ws.pager.streaming else None
+
+
 def use_streaming_stores(ws: KVCache, n_chunks: int, enabled: bool = True) -> bool:
     """Whether de-quantizing `n_chunks` chunks into `ws` is large enough for non-temporal stores
     (`enabled`: `actors.config.Tuning.streaming_stores`)."""
@@ -110,6 +128,35 @@ class _Decodes:
             raise error
 
 
+class _Streamed:
+    """The streamed layers of a working set that streams them (`req.resident_layers` set and a
+    `LayerPager`; else every call is a no-op): `release` writes filled layers out of memory,
+    `filled` counts whole chunks de-quantized and releases every layer once they add up to one
+    layer's slab (what the prefill's plan counts for a streamed layer), so a restore of whole chunks
+    holds about that much more than the resident layers."""
+
+    def __init__(self, ws: KVCache, resident_layers: int | None) -> None:
+        self.pager = ws.pager if resident_layers is not None else None
+        if self.pager is not None:
+            self.pager.set_resident(resident_layers)
+            if not self.pager.streaming:
+                self.pager = None
+        self.chunk_bytes = ws.nbytes() // ws.capacity * ws.chunk_tokens
+        self.pending = 0
+
+    def release(self, decodes: _Decodes, layers: range) -> None:
+        if self.pager is not None:
+            decodes.wait()
+            self.pager.release(layers)
+            self.pending = 0
+
+    def filled(self, decodes: _Decodes, chunks: int) -> None:
+        if self.pager is not None:
+            self.pending += chunks * self.chunk_bytes
+            if self.pending >= self.pager.layer_bytes:
+                self.release(decodes, range(self.pager.n_layers))
+
+
 def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, adapter=None,
             resolve: Callable[[list], list] = lambda handles: handles,
             pool: ThreadPoolExecutor | None = None,
@@ -120,11 +167,16 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, ad
     context is computed with (`engine.lora.Adapter`, which the caller resolves from `req.adapter`).
     `pool` de-quantizes when nothing is recomputed; `streaming_stores`: large restores de-quantize
     with non-temporal stores (`use_streaming_stores`). Returns the statistics and the loaded chunks
-    that came whole, (index, chunk)."""
+    that came whole, (index, chunk).
+
+    A working set that streams layers (`req.resident_layers`; its `engine.kvspill.LayerPager`) has each
+    streamed layer written out of memory once it is filled (`_Streamed`), and keeps no loaded chunk
+    whole for the caller: the restore of a context larger than its budget stays within it."""
     res = RestoreStats()
     events = res.timeline
     n_layers = ws.kv.shape[0]
     all_layers = range(n_layers)
+    out = _Streamed(ws, req.resident_layers)
     ws.truncate(0)
     ws.reserve(req.kv_tokens)
     ws.missing = set(range(ws.n_chunks))
@@ -139,9 +191,11 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, ad
     try:
         for (i, _), enc in zip(req.resident, resolve([h for _, h in req.resident])):
             decodes.submit(i, all_layers, enc)
+            out.filled(decodes, 1)
         res.resident = len(req.resident)
         if req.recompute:  # decoded in this thread: in before a recompute attends to them
             ws.mark_present([i for i, _ in req.resident])
+            out.release(decodes, all_layers)
         job = model.recompute_start(ws, req.token_ids, req.recompute, adapter=adapter) if req.recompute else None
         for item in handed_over(items if req.load else (), events):
             events.append(("read", item.index, item.read_start, item.read_end))
@@ -150,7 +204,7 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, ad
             for i, enc in pairs:
                 decodes.submit(i, layers, enc)
                 res.loaded_bytes += enc.nbytes
-                if layers is all_layers:
+                if layers is all_layers and out.pager is None:
                     whole.append((i, enc))
             res.failed.update(item.failed)
             # a layer group brings those layers of every loaded chunk: recompute them now, unless a
@@ -160,7 +214,12 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, ad
                     t = time.monotonic()
                     model.recompute_layer(ws, job, layer)
                     events.append(("recompute", layer, t, time.monotonic()))
+            if layers is all_layers:
+                out.filled(decodes, len(pairs))
+            else:
+                out.release(decodes, layers)
         decodes.wait()
+        out.release(decodes, all_layers)
     finally:
         decodes.wait()
     present = loads - set(res.failed)
@@ -173,7 +232,10 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, ad
     elif res.failed:  # some file failed: recompute it and everything planned, all layers, exactly
         chunks = sorted(set(req.recompute) | set(res.failed))
         t = time.monotonic()
-        model.recompute(ws, req.token_ids, chunks, adapter=adapter)
+        job = model.recompute_start(ws, req.token_ids, chunks, adapter=adapter)
+        for layer in all_layers:
+            model.recompute_layer(ws, job, layer)
+            out.release(decodes, range(layer, layer + 1))
         events.append(("recompute", -1, t, time.monotonic()))
         res.recomputed = len(chunks)
     elif job is not None:
@@ -181,6 +243,7 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, ad
             t = time.monotonic()
             model.recompute_layer(ws, job, layer)
             events.append(("recompute", layer, t, time.monotonic()))
+            out.release(decodes, range(layer, layer + 1))
         res.recomputed = len(req.recompute)
     if ws.missing:
         raise RuntimeError(f"restore left chunks {sorted(ws.missing)} missing")

@@ -155,9 +155,11 @@ class KVSwapIO:
 
         return chunks(), failed
 
-    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = "") -> Iterator[ChunkBatch]:
+    def read_batches(self, ctx: str, indices: list[int], batch: int, adapter: str = "",
+                     ahead: int | None = None) -> Iterator[ChunkBatch]:
         """Read whole chunks, yielding them `batch` at a time as soon as they are read and checked
-        (under Ray a streaming generator: the consumer decodes batch `k` while `k+1` is read)."""
+        (under Ray a streaming generator: the consumer decodes batch `k` while `k+1` is read). Here
+        a generator reads only as it is consumed; `ahead` is the Ray stub's bound on reading ahead."""
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
         chunks, failed = self.read_stream(ctx, indices, adapter)
@@ -171,9 +173,10 @@ class KVSwapIO:
         if got or failed or k == 0:
             yield ChunkBatch(k, got, dict(failed), t0, time.monotonic())
 
-    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = ""
-                    ) -> Iterator[LayerGroup]:
-        """Read the chunks layer group by layer group, yielding each group as soon as it is read."""
+    def read_groups(self, ctx: str, indices: list[int], groups: list[range], adapter: str = "",
+                    ahead: int | None = None) -> Iterator[LayerGroup]:
+        """Read the chunks layer group by layer group, yielding each group as soon as it is read
+        (`ahead` as for `read_batches`)."""
         failed: dict[int, str] = {}
         tag = self.tag(adapter)
         self.store.prefetch(ctx, indices, tag=tag)

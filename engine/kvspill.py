@@ -28,6 +28,7 @@ import mmap
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable
 
 import torch
 
@@ -277,6 +278,16 @@ class LayerPager:
     def settle(self) -> None:
         """Wait for every pending write and read."""
         self.bg.settle()
+
+    def release(self, layers: Iterable[int]) -> None:
+        """The streamed ones among `layers` were filled outside a forward pass (a restore): write their
+        pages to disk and unmap them, in line, so a restore holds no more of them than it is filling."""
+        for layer in layers:
+            if layer >= self.resident:
+                self.bg.wait("write", layer)
+                off, n = self.span(layer)
+                self.file.write_out(off, n)
+                self.file.unmap(off, n)
 
     def unmap_streamed(self) -> None:
         """Unmap every streamed layer (after a reader such as a write-back faulted them in; they are

@@ -18,6 +18,7 @@ import torch
 from actors.messages import RestoreRequest
 from actors.restore import restore
 from actors.swapio import KVSwapIO, LayerGroup, layer_groups
+from engine.kvcache import KVCache
 from storage import codecs
 
 TOKENS = 80  # 5 chunks of 16
@@ -55,10 +56,6 @@ class Recorder:
         self.model.recompute_layer(ws, job, layer)
         self.log.append(("recompute", layer))
         self.done[layer].set()
-
-    def recompute(self, ws, ids, chunks, adapter=None):
-        self.model.recompute(ws, ids, chunks, adapter=adapter)
-        self.log.append(("recompute", -1))
 
 
 def gated_groups(io, groups, log, done, corrupt: int | None = None):
@@ -119,9 +116,58 @@ def test_a_corrupt_file_is_recomputed_with_everything_planned(engine, prefilled,
     ws, ref, stats, log, groups = run(engine, prefilled, tmp_path, corrupt=2)
     assert stats.failed == {2: "chunk_corrupt"} and stats.faults == 1
     assert stats.loaded == len(LOADED) - 1 and stats.recomputed == len(RECOMPUTED) + 1
-    assert log[-1] == ("recompute", -1)  # one full pass once every other chunk was in
+    n_layers = engine.model.cfg.n_layers  # one full pass once every other chunk was in
+    assert log[-n_layers:] == [("recompute", layer) for layer in range(n_layers)]
+    assert log[:-n_layers] == [("read", g) for g in range(len(groups))]
     want = engine.model.new_cache(TOKENS)
     want.reserve(TOKENS)
     want.kv[:, :, :, :TOKENS].copy_(ref.kv[:, :, :, :TOKENS])
     engine.model.recompute(want, prefilled[0], sorted(RECOMPUTED + [2]))
     assert torch.equal(ws.kv[:, :, :, :TOKENS], want.kv[:, :, :, :TOKENS])
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["groups-and-recompute", "whole-chunks"])
+def test_a_working_set_that_streams_layers_is_filled_within_its_budget(engine, prefilled, tmp_path, pipelined):
+    """A restore into a working set that streams layers (a context larger than its budget) writes each
+    streamed layer out of memory once filled: layer groups as their layers are recomputed, whole
+    chunks about one layer's slab at a time. Measured from the mapping's pages in memory just before
+    each release (what the restore held at its highest), against all layers; the K/V is exact."""
+    ids, ref, want = prefilled
+    cfg = engine.model.cfg
+    io = KVSwapIO(str(tmp_path / "chunks"), "fp")
+    load = LOADED if pipelined else sorted(LOADED + RECOMPUTED)
+    io.write(CTX, [(i, codecs.encode(ref.chunk_array(i), "raw", dtype="float32"), 16 * i) for i in load])
+    ws = KVCache.mapped(cfg, tmp_path / "ws", TOKENS, chunk_tokens=16, dtype=engine.model.dtype)
+    held, release = [], ws.pager.release
+    ws.pager.release = lambda layers: (held.append(ws.pager.file.resident_bytes()), release(layers))[1]
+    groups = layer_groups(cfg.n_layers, 6) if pipelined else [range(cfg.n_layers)]
+    items = io.read_groups(CTX, load, groups) if pipelined else io.read_batches(CTX, load, 1)
+    req = RestoreRequest(CTX, TOKENS, np.asarray(ids, np.int32), [], load, RECOMPUTED if pipelined else [],
+                         groups, resident_layers=2)
+    stats, whole = restore(ws, req, items, model=engine.model if pipelined else None)
+    assert stats.loaded == len(load) and not stats.failed and whole == []  # nothing kept whole either
+    every_layer = cfg.n_layers * 2 * cfg.n_kv_heads * TOKENS * cfg.head_dim * 4
+    assert held and max(held) < every_layer / 2, (held, every_layer)
+    assert ws.pager.file.resident_bytes() < every_layer / 4  # the two resident layers, about
+    assert torch.equal(ws.kv[:, :, :, :TOKENS], (want if pipelined else ref).kv[:, :, :, :TOKENS])
+
+
+def test_a_bounded_read_ahead_stays_bounded_and_ends_when_its_consumer_stops():
+    """`_read_ahead(..., ahead=1)` (a restore into a working set that streams layers): while the
+    consumer holds item k the reader has made at most k + 3 items (one queued, one waiting for room);
+    a consumer that stops early leaves no reader blocked."""
+    from actors.local_restore import _read_ahead
+
+    made = []
+
+    def read():
+        for k in range(20):
+            made.append(k)
+            yield k
+
+    items = _read_ahead(read, ahead=1)
+    for k in range(5):
+        assert next(items) == k
+        assert len(made) <= k + 3, made
+    items.close()  # the consumer stops: the reader is unblocked and ends
+    assert len(made) < 20
