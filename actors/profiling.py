@@ -182,13 +182,16 @@ def _median_of_3(fn) -> float:
 
 
 def profile_key(fingerprint: str, threads: int, chunk_tokens: int, read_bytes_per_s: float,
-                device: str = "cpu", dtype: str = "float32", weights: str = "fp32") -> ProfileKey:
+                device: str = "cpu", dtype: str = "float32", weights: str = "fp32",
+                weights_resident: int | None = None) -> ProfileKey:
     """The cache identity of a profile (this machine is part of `ProfileKey.local`). The thread count
     is part of it (a 1-thread recompute worker costs twice a 2-thread one), so are the chunk size
     (T_re counts chunks, T_dec costs a chunk), the device and compute dtype the model runs in, the
-    weight format (recompute runs its products), and PROFILE_VERSION."""
+    weight format (recompute runs its products), the resident limit of streamed weights
+    (`EngineConfig.weights_resident_bytes`: a recompute then reads the others in), and PROFILE_VERSION."""
     where = "" if (device, dtype) == ("cpu", "float32") else f"-{device}-{dtype}"
     where += "" if weights == "fp32" else f"-w{weights}"
+    where += "" if weights_resident is None else f"-r{int(weights_resident)}"
     return ProfileKey.local(f"{fingerprint}-t{threads}-c{chunk_tokens}{where}-v{PROFILE_VERSION}", read_bytes_per_s)
 
 
@@ -199,7 +202,8 @@ def load_or_measure(model, fingerprint: str, *, read_bytes_per_s: float = 0.0, r
 
     cache = ProfileCache(root or cache_root() / "profiles")
     key = profile_key(fingerprint, torch.get_num_threads(), model.engine_cfg.chunk_tokens, read_bytes_per_s,
-                      model.device.type, str(model.dtype).removeprefix("torch."), model.weight_format)
+                      model.device.type, str(model.dtype).removeprefix("torch."), model.weight_format,
+                      model.engine_cfg.weights_resident_bytes)
     prof = None if refresh else cache.get(key)
     if prof is None:
         prof = measure(model, read_bytes_per_s=read_bytes_per_s, progress=progress)

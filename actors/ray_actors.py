@@ -138,7 +138,8 @@ class GovernorActor(Health):
             profile = CostProfile.from_json(c.profile)
         else:  # what the executor measured (one torch thread), if it has already: after a restart
             profile = ProfileCache(cache_root() / "profiles").get(
-                profile_key(fingerprint, 1, c.chunk_tokens, c.read_bytes_per_s, weights=parts.engine.weights))
+                profile_key(fingerprint, 1, c.chunk_tokens, c.read_bytes_per_s, weights=parts.engine.weights,
+                            weights_resident=parts.engine.weights_resident_bytes))
         self._released: list[int] = []  # keys of handles dropped since the executor last heard
         self.epoch = os.urandom(8).hex()  # this governor process: a new one knows none of the old keys
         self._changed = threading.Event()  # set by every change, and by every write ahead of time done

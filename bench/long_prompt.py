@@ -51,6 +51,11 @@ def main(argv=None) -> int:
                     help="stream the weights beyond this many MiB of resident fragments (engine/weightpager.py): "
                          "the run with a total budget, weights included (default: every weight resident)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", choices=["qwen2.5-0.5b"], default=None,
+                    help="run on a random model of Qwen2.5-0.5B's shape and 32,768 positions (written once under "
+                         "the cache folder; bench/model_files.py) instead of the default model")
+    ap.add_argument("--longest-only", action="store_true",
+                    help="print only the longest prompt under each budget (the estimate; no prefill is run)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     import torch
@@ -65,13 +70,25 @@ def main(argv=None) -> int:
     from engine.kvspill import mapped_rss
     from engine.memtrack import TensorTracker
     from actors.admission import prefill_shape
-    from scheduler.prefill import estimate_steps, peak_bytes, plan_prefill
+    from scheduler.prefill import estimate_steps, plan_prefill
 
     torch.set_num_threads(a.threads)
     resident = None if a.weights_resident is None else a.weights_resident << 20
-    engine = ContextEngine.load(None, EngineConfig(weights=a.weights, copy_weights=False,
+    path = None
+    if a.shape:
+        from bench.model_files import SHAPE_QWEN_05B, random_model
+        from engine.loader import cache_root
+
+        path = random_model(cache_root() / "bench-models" / a.shape, **SHAPE_QWEN_05B, gguf_types=()) / "hf"
+    engine = ContextEngine.load(path, EngineConfig(weights=a.weights, copy_weights=False,
                                                    weights_resident_bytes=resident), progress=False)
     model, cfg = engine.model, engine.model.cfg
+    if a.longest_only:
+        print(f"Command: `python -m bench.long_prompt {' '.join(argv if argv is not None else sys.argv[1:])}`. "
+              f"{machine_line()}. Model: {a.shape or 'default'} ({cfg.n_layers} layers, {cfg.max_positions:,} "
+              "positions).\n")
+        _print_longest(model, cfg, a.budgets, a.rows)
+        return 0
     ids = real_text_ids(engine.tok)
     if max(a.lengths) > min(len(ids), cfg.max_positions):
         ap.error(f"lengths up to {min(len(ids), cfg.max_positions)} tokens")
@@ -162,20 +179,6 @@ def main(argv=None) -> int:
         cache.pager.settle()
         mapped[n] = (most[0], most[1], plan, most[2], most[3])
 
-    def longest(budget: int, rows: int) -> int:
-        lo, hi = 0, cfg.max_positions
-        while lo < hi:  # the most tokens whose estimated peak fits (rows -1: any plan but refuse)
-            mid = (lo + hi + 1) // 2
-            if rows < 0:
-                fits = plan_prefill(native_shape, mid, 0, budget).kind != "refuse"
-            else:
-                fits = peak_bytes(shape, mid, 0, rows or mid, severe=False, spill=False) <= budget
-            if fits:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
     decode: dict[tuple[int, bool], float] = {}
     dn = max(fits)
     cache, rows, _plan = new_cache(dn, -1)
@@ -230,10 +233,8 @@ def main(argv=None) -> int:
         print("| prompt, tokens | most of everything, MiB |\n|---:|---:|")
         for n in fits:
             print(f"| {n} | {mapped[n][4] / 2**20:.1f} |")
-    print("\n| budget, MiB | longest prompt, plain | longest, partitions (all K/V resident) | longest, streamed |\n"
-          "|---:|---:|---:|---:|")
-    for mib in a.budgets:
-        print(f"| {mib} | {longest(mib << 20, 0)} | {longest(mib << 20, a.rows)} | {longest(mib << 20, -1)} |")
+    print()
+    _print_longest(model, cfg, a.budgets, a.rows, native_shape, shape)
     print(f"\nDecode over the streamed {dn}-token context, ms per token (median of {a.decode_tokens}):\n")
     print("| layers resident | cold (page cache dropped) | warm |\n|---:|---:|---:|")
     for frac in (0, 25, 50, 100):
@@ -320,6 +321,43 @@ def accelerate_baseline(ids: list[int], lengths: list[int], mib: int, folder: st
             continue
         out[n] = (time.perf_counter() - t, tracker.peak)
     return out
+
+
+def _print_longest(model, cfg, budgets: list[int], rows: int, native_shape=None, shape=None) -> None:
+    """The longest prompt whose estimated peak fits each budget (MiB): plain, in row partitions with
+    every layer's K/V resident, and streamed (any plan but `refuse`); the model's positions cap them.
+    `shape`: the torch attention kernel's view (what the tracker checks), `native_shape` the planner's."""
+    from actors.admission import prefill_shape
+    from scheduler.prefill import peak_bytes, plan_prefill
+
+    native_shape = native_shape or prefill_shape(model, "float")
+    if shape is None:
+        native = model.engine_cfg.native_attention
+        model.engine_cfg.native_attention = False
+        shape = prefill_shape(model, "float")
+        model.engine_cfg.native_attention = native
+
+    def longest(budget: int, rows: int) -> int:
+        lo, hi = 0, cfg.max_positions
+        while lo < hi:  # the most tokens whose estimated peak fits (rows -1: any plan but refuse)
+            mid = (lo + hi + 1) // 2
+            if rows < 0:
+                fits = plan_prefill(native_shape, mid, 0, budget).kind != "refuse"
+            else:
+                fits = peak_bytes(shape, mid, 0, rows or mid, severe=False, spill=False) <= budget
+            if fits:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    print("| budget, MiB | longest prompt, plain | longest, partitions (all K/V resident) | longest, streamed |\n"
+          "|---:|---:|---:|---:|")
+    for mib in budgets:
+        plain = longest(mib << 20, 0)
+        parts, streamed = longest(mib << 20, rows), longest(mib << 20, -1)
+        print(f"| {mib} | {plain:,} | {parts:,} ({parts / plain:.2f}x) | {streamed:,} ({streamed / plain:.1f}x"
+              f"{'; the model' + chr(39) + 's positions' if streamed == cfg.max_positions else ''}) |")
 
 
 if __name__ == "__main__":

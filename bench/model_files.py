@@ -9,7 +9,7 @@
   benchmark and tests.
 
     python -m bench.model_files requantize Q4_0 OUT.gguf
-    python -m bench.model_files random OUT_DIR [--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --mlp 8192]
+    python -m bench.model_files random OUT_DIR [--hidden 2048 --layers 16 --heads 32 --kv-heads 8 --mlp 8192 --positions 8192]
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import numpy as np
 
 SHAPE_1B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, mlp=8192)
 """Llama-3.2-1B's dimensions (its vocabulary is SmolLM2's here)."""
+
+SHAPE_QWEN_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864, positions=32768)
+"""Qwen2.5-0.5B's dimensions and positions (a Llama block: no Q/K/V biases; SmolLM2's vocabulary),
+for prompts beyond the default model's 8,192 positions (bench/long_prompt.py)."""
 
 
 def _copy_metadata(reader, writer, changes: dict | None = None) -> None:
@@ -74,10 +78,10 @@ def _finish(writer) -> None:
 
 
 def random_model(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int,
-                 gguf_types: tuple[str, ...] = ("Q4_0", "Q8_0"), seed: int = 0) -> Path:
-    """A Llama of this shape with SmolLM2's vocabulary and random weights (std 0.02; norms 1), untied:
-    `out/hf` (config.json, model.safetensors, tokenizer files) and `out/model-<TYPE>.gguf` per type.
-    Existing files are kept (writing a 1.2B model takes minutes)."""
+                 positions: int = 8192, gguf_types: tuple[str, ...] = ("Q4_0", "Q8_0"), seed: int = 0) -> Path:
+    """A Llama of this shape (`positions`: its position limit) with SmolLM2's vocabulary and random
+    weights (std 0.02; norms 1), untied: `out/hf` (config.json, model.safetensors, tokenizer files) and
+    `out/model-<TYPE>.gguf` per type. Existing files are kept (writing a 1.2B model takes minutes)."""
     import gguf
     from safetensors.numpy import save_file
 
@@ -112,7 +116,7 @@ def random_model(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: i
         hf.mkdir(parents=True, exist_ok=True)
         cfg = json.loads((base.directory / "config.json").read_text())
         cfg.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                   intermediate_size=mlp, head_dim=head_dim, tie_word_embeddings=False, max_position_embeddings=8192)
+                   intermediate_size=mlp, head_dim=head_dim, tie_word_embeddings=False, max_position_embeddings=positions)
         (hf / "config.json").write_text(json.dumps(cfg, indent=2))
         for f in base.directory.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
@@ -130,7 +134,7 @@ def random_model(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: i
         writer = gguf.GGUFWriter(str(dst), "llama")
         changes = {"llama.embedding_length": hidden, "llama.block_count": layers, "llama.attention.head_count": heads,
                    "llama.attention.head_count_kv": kv_heads, "llama.feed_forward_length": mlp,
-                   "llama.rope.dimension_count": head_dim, "llama.context_length": 8192,
+                   "llama.rope.dimension_count": head_dim, "llama.context_length": positions,
                    "general.file_type": _file_type(qname)}
         _copy_metadata(reader, writer, changes)
 
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
     rq.add_argument("out", type=Path)
     rm = sub.add_parser("random", help="a random model of a pinned shape (safetensors and GGUF)")
     rm.add_argument("out", type=Path)
-    for k, v in SHAPE_1B.items():
+    for k, v in dict(SHAPE_1B, positions=8192).items():
         rm.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
     args = ap.parse_args(argv)
     if args.what == "requantize":
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
         print(requantize(default_model_path(), args.out, args.qtype))
     else:
         print(random_model(args.out, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                           kv_heads=args.kv_heads, mlp=args.mlp))
+                           kv_heads=args.kv_heads, mlp=args.mlp, positions=args.positions))
     return 0
 
 

@@ -34,6 +34,35 @@ def _request(port: int, path: str, body: dict, token: str) -> dict:
         raise SystemExit(f"{path}: HTTP {e.code}: {e.read()[:2000].decode(errors='replace')}") from e
 
 
+def _actor_memory(actor: str) -> tuple[float, float]:
+    """(RSS, peak RSS) in MiB of the running process whose title names `actor` (Ray titles its actor
+    processes `ray::<Class>...`), from /proc/<pid>/status; zeros when none is found."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(f"ray::{actor}".encode()):
+                    continue
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+    return 0.0, 0.0
+
+
+def _written(port: int, ctx: str, token: str) -> dict:
+    """The context's chunks once its last write-back is done (nothing left only in memory to write,
+    for a server with budgets; at most 10 minutes)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/contexts/{ctx}", headers={"Authorization": f"Bearer {token}"})
+    for _ in range(600):
+        with urllib.request.urlopen(req, timeout=60) as r:
+            chunks = json.load(r)["chunks"]
+        if chunks["to_recompute"] == 0:
+            break
+        time.sleep(1)
+    return chunks
+
+
 def _serve(extra: list[str], port: int, prompt: str, a) -> list[dict]:
     d = tempfile.mkdtemp(prefix="serve-long-")
     cmd = [sys.executable, "-m", "deploy.cli", "serve", "--data-dir", d, "--port", str(port),
@@ -54,12 +83,17 @@ def _serve(extra: list[str], port: int, prompt: str, a) -> list[dict]:
             admin = f.read().strip()
         app = _request(port, "/v1/apps", {"name": "docs"}, admin)["token"]
         ctx = _request(port, "/v1/contexts", {}, app)["id"]
+        started = _actor_memory("ExecutorActor")[0]
         out = []
         for text, n in ((prompt, a.max_tokens), ("Who would read it, and why?", a.max_tokens)):
             t = time.perf_counter()
             r = _request(port, f"/v1/contexts/{ctx}/calls", {"prompt": text, "max_tokens": n}, app)
             r["wall_s"] = time.perf_counter() - t
             out.append(r)
+        chunks = _written(port, ctx, app)
+        rss, peak = _actor_memory("ExecutorActor")
+        out[-1]["executor_mib"] = (started, rss, peak)
+        out[-1]["chunks"] = chunks
         ok = True
         return out
     finally:
@@ -99,7 +133,13 @@ def main(argv=None) -> int:
             print(f"| {name} | {i} | {r['usage']['prompt_tokens']} | {r['ttft_ms'] / 1e3:.1f} | {r['wall_s']:.1f} | "
                   f"{r['text'][:60]!r} |")
     same = [s["text"] for s in small] == [p["text"] for p in plain]
-    print(f"\nReplies identical: {same}")
+    print(f"\nReplies identical: {same}\n")
+    print("| server | executor RSS at start, MiB | after, MiB | peak, MiB | chunks resident | on disk |\n"
+          "|---|---:|---:|---:|---|---|")
+    for name, runs in ((f"{a.budget_mib} MiB budgets", small), ("no budget", plain)):
+        started, rss, peak = runs[-1]["executor_mib"]
+        ch = runs[-1]["chunks"]
+        print(f"| {name} | {started:.0f} | {rss:.0f} | {peak:.0f} | {ch['resident']} | {ch['swapped']} |")
     return 0 if same else 1
 
 

@@ -283,10 +283,12 @@ def test_cached_profile_is_found_under_the_key_every_reader_uses(tmp_path):
 
     prof = CostProfile.from_json(PROFILE)
     ProfileCache(tmp_path).put(profile_key("fp", torch.get_num_threads(), 16, 50e6), prof)
-    stub = SimpleNamespace(engine_cfg=SimpleNamespace(chunk_tokens=16), device=torch.device("cpu"), dtype=torch.float32,
-                           weight_format="fp32")
+    stub = SimpleNamespace(engine_cfg=SimpleNamespace(chunk_tokens=16, weights_resident_bytes=None),
+                           device=torch.device("cpu"), dtype=torch.float32, weight_format="fp32")
     assert load_or_measure(stub, "fp", read_bytes_per_s=50e6, root=tmp_path).to_json() == prof.to_json()
     assert ProfileCache(tmp_path).get(profile_key("fp", torch.get_num_threads(), 16, 0.0)) is None
+    # streamed weights: a recompute reads them in, so its costs are its own
+    assert ProfileCache(tmp_path).get(profile_key("fp", torch.get_num_threads(), 16, 50e6, weights_resident=64 << 20)) is None
     # a model on another device or in another dtype has costs of its own
     for device, dtype in (("cuda", "float32"), ("cpu", "bfloat16")):
         assert ProfileCache(tmp_path).get(profile_key("fp", torch.get_num_threads(), 16, 50e6, device, dtype)) is None
