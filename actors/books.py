@@ -67,9 +67,12 @@ class CtxBook:
     """The request id of the last committed call: a call retried with it appends nothing."""
 
 
-def describe_context(row, state: dict, book: CtxBook, chunk_tokens: int, *, busy: bool) -> dict:
+def describe_context(row, state: dict, book: CtxBook, chunk_tokens: int, *, busy: bool,
+                     working_set: tuple[int | None] | None = None) -> dict:
     """What `GET /v1/contexts/{id}` shows of a context: its registry row (`storage.records.ContextRecord`),
-    the executor's saved state (turns), and its book (chunks by where they are and their level)."""
+    the executor's saved state (turns), its book (chunks by where they are and their level), and
+    whether the executor's working set holds its K/V (`working_set`: (the first layer streamed out of
+    memory, None when every layer is in memory), or None when it does not hold it)."""
     resident: dict[str, int] = {}
     swapped: dict[str, int] = {}
     for ch in book.chunks.values():
@@ -89,4 +92,6 @@ def describe_context(row, state: dict, book: CtxBook, chunk_tokens: int, *, busy
         "turns": [{"role": t["role"], "text": t["text"]} for t in turns],
         "chunks": {"total": n_chunks, "resident": resident, "swapped": swapped,
                    "to_recompute": max(0, n_chunks - sum(resident.values()) - sum(swapped.values()))},
+        "working_set": {"held": working_set is not None,
+                        "streamed_from_layer": working_set[0] if working_set is not None else None},
     }

@@ -32,6 +32,7 @@ from actors.admission import admit_prefill, apply_plan, prefill_shape, restore_l
 from actors.messages import CallOutcome, CallPlan, CommitReply, RagCall, RagOutcome, RestoreStats
 from actors.priority import PriorityLock
 from actors.recompute import stage_seconds
+from actors.restore import streamed_from
 from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, LiveContext
 from engine.density import DensityTracker
@@ -523,7 +524,7 @@ class ModelExecutor:
         reply = self.gov.commit_call(plan.ctx, ectx.token_ids, text, state_json, density, ectx.cache.length,
                                      ectx.density.chunk_density(self.chunk), first_modified, restored,
                                      request_id=request_id, unreadable=list(unreadable),
-                                     streamed=self.ws.pager is not None and self.ws.pager.streaming)
+                                     streamed_from=streamed_from(self.ws))
         if reply.repeated:  # not expected (`_committed_outcome` answered such a call before it ran)
             raise RuntimeError(f"call {request_id} on {plan.ctx} was committed twice")
         return reply, state_json

@@ -99,6 +99,7 @@ class MemoryGovernor:
         self._pending: dict[str, tuple[str, dict[str, float], float, float, float]] = {}  # ctx -> planned restore
         self._unsaved: dict[str, set[int]] = {}  # ctx -> chunks evicted in a switch, rows not yet written
         self.writes = WritesInFlight()  # writes ahead of time started by `admit`, not yet applied
+        self.working_set: tuple[str, int | None] | None = None  # (ctx, `streamed_from`) as last committed
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "evictions": 0, "recomputed_chunks": 0,
                       "fault_recomputes": 0, "killed_contexts": 0, "interrupted_calls": 0, "failed_writes": 0}
         self._rebuild()
@@ -137,7 +138,7 @@ class MemoryGovernor:
         self._pending.clear()
         self._unsaved.clear()
         self.queue = EvictionQueue(self.policy.eviction_strategy())
-        self.books = {}
+        self.books, self.working_set = {}, None
         self._rebuild()
         self.stats["interrupted_calls"] += in_flight
         return in_flight
@@ -197,6 +198,7 @@ class MemoryGovernor:
             ch.file, ch.file_nbytes, ch.checksum = None, 0, None
         self.registry.delete_context(ctx, app)
         self.books.pop(ctx, None)
+        self.working_set = None if self.working_set and self.working_set[0] == ctx else self.working_set
         self._unsaved.pop(ctx, None)
         if book is not None:
             for i, ch in book.chunks.items():
@@ -230,8 +232,9 @@ class MemoryGovernor:
         row = self.registry.get_context(ctx, app)
         saved = self.registry.load_state(ctx)
         book = self.books.get(ctx) or CtxBook(row.app, row.adapter)
+        ws = self.working_set[1:] if self.working_set and self.working_set[0] == ctx else None
         return describe_context(row, json.loads(saved[0]) if saved else {}, book, self.cfg.chunk_tokens,
-                                busy=ctx in self.locked)
+                                busy=ctx in self.locked, working_set=ws)
 
     # ---- a call -----------------------------------------------------------------------------------
     def begin_call(self, ctx: str, app: str | None = None, cached: bool = False) -> CallPlan:
@@ -243,6 +246,8 @@ class MemoryGovernor:
         book = self.books[ctx]
         self.locked.add(ctx)
         self.queue.lock(ctx)
+        if not cached:  # the working set is about to hold this context instead, from its commit on
+            self.working_set = None
         try:
             return self._plan(ctx, book, row, cached)
         except BaseException:
@@ -344,7 +349,7 @@ class MemoryGovernor:
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
                     request_id: str | None = None, unreadable: list[int] | None = None,
-                    streamed: bool = False) -> CommitReply:
+                    streamed_from: int | None = None) -> CommitReply:
         """Make the call's new token ids durable (before the reply completes) and plan compression.
 
         `first_modified` is the first chunk whose K/V the call changed (the old partial chunk, or 0
@@ -361,8 +366,8 @@ class MemoryGovernor:
         saved and the reply says `repeated`. The id is kept in the saved state too (the executor
         writes it there), so a governor rebuilt from the registry knows it.
 
-        `streamed`: the executor's working set streams layers (the context is larger than its memory
-        budget). Under a swap policy the reply says `write_through`: the executor writes the chunks
+        `streamed_from`: the first layer the executor's working set streams (the context is larger than
+        its memory budget; None: every layer in memory); `describe` shows it. Under a swap policy the reply says `write_through`: the executor writes the chunks
         to disk itself, a batch at a time, rather than putting them all in the pool to be evicted
         (`admit`'s `stored`).
         """
@@ -396,24 +401,21 @@ class MemoryGovernor:
                 todo[i] = plan.levels[i]
             if ch is not None:
                 ch.density = float(chunk_density[i])
-        through = streamed and self.policy.on_pressure == "swap"
+        self.working_set = (ctx, streamed_from)
+        through = streamed_from is not None and self.policy.on_pressure == "swap"
         if through:  # a write ahead of time of an older copy must not land after the executor's
             self._settle(ctx, list(todo))
         return CommitReply(todo, write_through=through)
 
     def room(self) -> float | None:
-        """The mean compression ratio the pool allows now (None when `raw_chunk_bytes` is unknown):
-        the pool against the raw bytes of every context with K/V, times raw's ratio
-        (4 for float32). At or above raw's ratio there is no pressure; the compression planner never
-        goes below the policy's configured ratio whatever this says. Every context, not only those
-        with chunks in the pool now: counting those alone made the measure rise and fall as contexts
-        left and re-entered the pool, so chunks were kept heavy, written heavy and lowered again later
-        (the replay of docs/benchmarks.md loaded 448 MB against 289 MB)."""
-        if self.cfg.raw_chunk_bytes <= 0:
-            return None
-        chunk = self.cfg.chunk_tokens
-        n = sum(-(-b.kv_tokens // chunk) for b in self.books.values())
-        if n == 0:
+        """The mean compression ratio the pool allows now (None when `raw_chunk_bytes` is unknown): the
+        pool against the raw bytes of every context with K/V, times raw's ratio (4 for float32). At or
+        above raw's ratio there is no pressure; the planner never goes below the policy's ratio. Every
+        context, not only those in the pool now: counting those alone made the measure swing as they
+        left and came back, so chunks were kept heavy, written heavy and lowered later (the replay of
+        docs/benchmarks.md loaded 448 MB against 289 MB)."""
+        n = sum(-(-b.kv_tokens // self.cfg.chunk_tokens) for b in self.books.values())
+        if self.cfg.raw_chunk_bytes <= 0 or n == 0:
             return None
         return L.ratio("raw", self.cfg.dtype) * self.cfg.pool_bytes / (n * self.cfg.raw_chunk_bytes)
 
@@ -428,9 +430,7 @@ class MemoryGovernor:
             self.reap()
             self._settle(ctx, [i for i, *_ in encoded])
             for i, level, meta in stored or ():
-                ch = book.chunks.get(i)
-                if ch is None:
-                    ch = book.chunks[i] = Chunk(level=level)
+                ch = book.chunks.setdefault(i, Chunk(level=level))
                 self._drop_resident(ctx, i, ch)
                 ch.level = level
                 self.stats["swap_out_bytes"] += ch.written(meta)

@@ -143,7 +143,7 @@ class CommitReply:
     """The call's request id had already been committed: nothing was appended this time."""
     write_through: bool = False
     """The executor writes the `todo` chunks to disk itself and `admit`s them as `stored`, not through
-    the pool (asked for with `streamed`, given under a swap policy): a context larger than the memory
+    the pool (asked for with `streamed_from`, given under a swap policy): a context larger than the memory
     budget never has all its encoded chunks in memory at once. The context's writes in flight are
     done, so none lands after the executor's."""
 

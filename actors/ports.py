@@ -84,9 +84,9 @@ class GovernorPort(Protocol):
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
                     request_id: str | None = None, unreadable: list[int] | None = None,
-                    streamed: bool = False) -> CommitReply:
+                    streamed_from: int | None = None) -> CommitReply:
         """Make the call's turn durable (once per request id) and plan the chunks to encode
-        (`streamed`: the executor's working set streams layers, and asks to write them through)."""
+        (`streamed_from`: the first layer the executor's working set streams, None when it keeps all)."""
 
     def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int],
               stored: list[tuple[int, str, dict]] | None = None) -> None:

@@ -215,9 +215,9 @@ class GovernorStub:
     def commit_call(self, ctx: str, token_ids, text: str, state: str, density: bytes, kv_tokens: int,
                     chunk_density: np.ndarray, first_modified: int, restored: list[int] | None = None,
                     request_id: str | None = None, unreadable: list[int] | None = None,
-                    streamed: bool = False) -> CommitReply:
+                    streamed_from: int | None = None) -> CommitReply:
         return self._unwrap(retry.call(self.handle.commit_call, ctx, token_ids, text, state, density, kv_tokens,
-                                       chunk_density, first_modified, restored, request_id, unreadable, streamed))
+                                       chunk_density, first_modified, restored, request_id, unreadable, streamed_from))
 
     def admit(self, ctx: str, encoded: list[tuple[int, str, Any, int]], token_starts: dict[int, int],
               stored: list[tuple[int, str, dict]] | None = None) -> None:

@@ -179,9 +179,12 @@ def cmd_contexts(args) -> int:
         if args.json:
             print(json.dumps(info, indent=1))
         else:
-            c = info["chunks"]
+            c, ws = info["chunks"], info.get("working_set") or {}
+            held = ("" if not ws.get("held") else "; in the working set" + (
+                f", layers from {ws['streamed_from_layer']} streamed" if ws.get("streamed_from_layer") is not None else ""))
             print(f"context {info['id']}: {info['tokens']} tokens, {c['total']} chunks "
-                  f"(resident {c['resident'] or '-'}, swapped {c['swapped'] or '-'}, to recompute {c['to_recompute']})")
+                  f"(resident {c['resident'] or '-'}, swapped {c['swapped'] or '-'}, to recompute {c['to_recompute']}"
+                  f"{held})")
             for t in info["turns"]:
                 print(f"[{t['role']}] {t['text']}")
         return 0

@@ -107,7 +107,7 @@ class FakeGovernor:
         self.log.append("record_restore")
 
     def commit_call(self, ctx, token_ids, text, state, density, kv_tokens, chunk_density, first_modified,
-                    restored=None, request_id=None, unreadable=None, streamed=False):
+                    restored=None, request_id=None, unreadable=None, streamed_from=None):
         self.log.append("commit_call")
         self.saved[ctx] = (list(token_ids), state)
         return CommitReply({i: "raw" for i in range(-(-kv_tokens // CHUNK))})

@@ -79,9 +79,13 @@ def test_a_long_prompt_runs_in_partitions_or_is_refused_with_its_estimate(small_
         chunk_bytes = max(max(w) for w in writes)
         assert not any(puts) and sum(map(len, writes)) >= n - 1 and len(writes) > 1, (puts, writes)
         assert all(sum(w) < ex.ws.pager.layer_bytes + chunk_bytes for w in writes), writes
-        chunks = svc.describe(tok, ctx)["chunks"]
+        seen = svc.describe(tok, ctx)  # GET /v1/contexts/{id}: where its K/V is
+        chunks = seen["chunks"]
         assert chunks["resident"] == {} and sum(chunks["swapped"].values()) == chunks["total"], chunks
+        assert seen["working_set"] == {"held": True, "streamed_from_layer": severe.resident_layers}, seen
         assert svc.call(tok, b, "Hi.", max_tokens=4).token_ids == after[0]
+        assert svc.describe(tok, ctx)["working_set"]["held"] is False
+        assert svc.describe(tok, b)["working_set"] == {"held": True, "streamed_from_layer": None}
         back = svc.call(tok, ctx, "Thanks.", max_tokens=4)  # read back from those records
         assert back.restore.loaded > 0 and back.token_ids == after[1], back.restore
     finally:
