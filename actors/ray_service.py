@@ -53,11 +53,12 @@ def _actor(cls):
 
 
 def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: str = "llmaas",
-             max_restarts: int = MAX_RESTARTS, executor_actor: type = ExecutorActor) -> ContextService:
+             max_restarts: int = MAX_RESTARTS, executor_actor: type = ExecutorActor,
+             io_actor: type = IOActor, recompute_actor: type = RecomputeActor) -> ContextService:
     """Start the actors of one node (named `<prefix>-<role>`) and return the front over them. The
     working set is shared memory, so the executor and recompute worker compute on the CPU.
-    `executor_actor`: the executor's body, `ExecutorActor` or a subclass (a test's, failing at a
-    chosen step)."""
+    `executor_actor`, `io_actor`, `recompute_actor`: those actors' bodies, the service's or
+    subclasses (a test's, failing at a chosen step or holding a step until another began)."""
     from engine.config import ModelConfig
     from engine.loader import resolve_model
 
@@ -67,12 +68,12 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     prepare_data_dir(config.data_dir)
     common = dict(namespace=NAMESPACE, max_restarts=max_restarts, lifetime=None)
     key = KVKey(resolved.fingerprint, parts.engine.weights, kv_format=parts.engine.kv_format)
-    io = _actor(IOActor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
+    io = _actor(io_actor).options(name=f"{prefix}-io", num_cpus=0, **common).remote(
         str(Path(config.data_dir) / "chunks"), key, parts.store,
         config.data_dir, tuning=parts.tuning, resolve=resolve_chunks)
     gov = _actor(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
         config, parts, io, resolved.fingerprint)
-    recompute = _actor(RecomputeActor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
+    recompute = _actor(recompute_actor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
         str(resolved.directory), resolved.fingerprint, parts.engine, io, 1, parts.tuning, config.adapter_dir())
     executor = _actor(executor_actor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
         config, parts, str(resolved.directory), resolved.fingerprint, gov, recompute, io, prefix, 1)

@@ -37,12 +37,12 @@ def reference(engine):
     return out
 
 
-def start(tmp, policy, prefix, **kw):
+def start(tmp, policy, prefix, actors=None, **kw):
     from actors.ray_service import wire_ray
 
     kw.setdefault("profile", CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json())
     cfg = ServiceConfig(data_dir=str(tmp), policy=policy, max_context_tokens=512, **kw)
-    return wire_ray(cfg, prefix=prefix)
+    return wire_ray(cfg, prefix=prefix, **(actors or {}))
 
 
 def test_lossless_on_ray_survives_a_full_ray_restart_and_lost_files(ray_cluster, reference, resolved_model, tmp_path):
@@ -114,13 +114,58 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
     svc.close()
 
 
+def gated_pipeline_actors(gate: Path) -> dict:
+    """The IO worker and recompute worker of `wire_ray`, with a gate between them the test holds by
+    files: the recompute worker leaves `gate/layer-<l>` as it begins recomputing layer `l`, and the IO
+    worker ends the read of a layer group that is not the first only once some layer before the group
+    has begun (or after 60 s: a restore that read every group before recomputing then fails the check
+    below rather than hanging). So a pipelined restore records the overlap whatever the host's speed."""
+    import time
+
+    from actors.ray_actors import IOActor, RecomputeActor
+
+    class MarksLayers(RecomputeActor):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            recompute_layer = self.model.recompute_layer
+
+            def marked(ws, job, layer):
+                (gate / f"layer-{layer}").touch()
+                return recompute_layer(ws, job, layer)
+
+            self.model.recompute_layer = marked
+
+    class GatedReads(IOActor):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            read_layers = self.store.read_layers
+
+            def gated(key, indices, layers, tag=None):
+                out = list(read_layers(key, indices, layers, tag=tag))
+                if layers.start == 0:  # a new restore: the marks of the last one are void
+                    for f in gate.glob("layer-*"):
+                        f.unlink()
+                else:
+                    give_up = time.monotonic() + 60
+                    while not any((gate / f"layer-{lay}").exists() for lay in range(layers.start)):
+                        if time.monotonic() > give_up:
+                            break
+                        time.sleep(0.002)
+                return iter(out)
+
+            self.store.read_layers = gated
+
+    gate.mkdir(exist_ok=True)
+    return {"io_actor": GatedReads, "recompute_actor": MarksLayers}
+
+
 def test_pipeline_overlaps_io_and_recompute_with_slow_storage(ray_cluster, tmp_path):
     # slow storage (8 MB/s) and a profile that makes recomputing some chunks cheaper than reading
     profile = CostProfile.fit([(0, 0.0), (10, 0.15)], [(0, 0.0), (8e6, 1.0)]).to_json()
-    # no burst: every layer group's read is paced at the throttle (a bucket deeper than a group, which
-    # refills while the previous group is recomputed, let reads end before any recompute began)
-    svc = start(tmp_path, "llms", "t-pipe", pool_bytes=1 << 20, read_bytes_per_s=8e6, read_burst_bytes=0,
-                profile=profile)
+    # the reads of a group end only once the recompute of an earlier layer began (`gated_pipeline_actors`):
+    # the overlap is checked by the order of recorded events, never by how fast either side ran
+    svc = start(tmp_path / "data", "llms", "t-pipe", pool_bytes=1 << 20, read_bytes_per_s=8e6, read_burst_bytes=0,
+                profile=profile, actors=gated_pipeline_actors(tmp_path / "gate"))
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
     for c, p in zip(ctxs, PROMPTS):
