@@ -10,8 +10,9 @@ compute dtype: it includes waiting for a pending write-back, eviction and on-dem
 this restore, reading, de-quantizing and recomputing; it excludes the new prompt's prefill and decode.
 
 The restore itself is delegated to a `restorer` (`actors.local_restore.InProcessRestorer` in one
-process; `actors.ray_actors` has the one on Ray). A plain class implementing `actors.ports.ExecutorPort`: `actors.service.wire_local` calls
-it directly, `actors.ray_actors.ExecutorActor` makes it a Ray actor. What it deliberately does not
+process; `actors.ray_actors` has the one on Ray). A plain class implementing
+`actors.ports.ExecutorPort`: `actors.service.wire_local` calls it directly,
+`actors.ray_actors.ExecutorActor` makes it a Ray actor. What it deliberately does not
 know: policies (the governor's), how chunks are stored (the IO worker's), HTTP.
 """
 
@@ -328,9 +329,10 @@ class ModelExecutor:
             self._last = (ctx_id, app, ectx, state_json)
             # read whole and unchanged by the call: resident as read, not encoded again
             loaded = [c for c in step.loaded if c[0] < first_modified and c[0] not in todo]
-            if reply.write_through:  # on disk already; the pool is no place for a context this large
+            through = step.plan.adapter if reply.write_through else None
+            if through is not None:  # on disk already; the pool is no place for a context this large
                 loaded = []
-            self._schedule_write_back(ctx_id, todo, loaded, through=step.plan.adapter if reply.write_through else None)
+            self._schedule_write_back(ctx_id, todo, loaded, through=through)
         return CallOutcome(
             text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,
             completion_tokens=r.completion_tokens, switch_ms=switch_ms, restore=stats,

@@ -367,9 +367,9 @@ class MemoryGovernor:
         writes it there), so a governor rebuilt from the registry knows it.
 
         `streamed_from`: the first layer the executor's working set streams (the context is larger than
-        its memory budget; None: every layer in memory); `describe` shows it. Under a swap policy the reply says `write_through`: the executor writes the chunks
-        to disk itself, a batch at a time, rather than putting them all in the pool to be evicted
-        (`admit`'s `stored`).
+        its memory budget; None: every layer in memory); `describe` shows it. Under a swap policy the
+        reply then says `write_through`: the executor writes the chunks to disk itself, a batch at a
+        time, rather than putting them all in the pool to be evicted (`admit`'s `stored`).
         """
         book = self.books[ctx]
         if request_id is not None and request_id == book.request_id:

@@ -152,8 +152,9 @@ class RecomputeWorker:
 
         ws = self._attach(req.shm_name, req.capacity)
         ahead = STREAMED_AHEAD if req.resident_layers is not None else None  # a bounded stream
-        items = (ray.get(ref) for ref in self.io.read_groups(req.ctx, req.load, req.groups,
-                                                             req.adapter.key if req.adapter else "", ahead)) if req.load else ()
+        adapter_key = req.adapter.key if req.adapter else ""
+        items = (ray.get(ref) for ref in self.io.read_groups(req.ctx, req.load, req.groups, adapter_key, ahead)
+                 ) if req.load else ()
         a = req.adapter
         adapter = self.adapters.resolve(a.name, a.path, a.key) if a is not None else None
         res, _whole = restore(ws, req, items, model=self.model, adapter=adapter, resolve=resolve_chunks,
