@@ -54,7 +54,7 @@ counts it (scheduler/prefill.py), so neither memory nor the object store holds m
 def streamed_batch(ws: KVCache) -> int:
     """Whole chunks per read batch for a restore into a working set that streams layers: one layer's
     slab of them (what `_Streamed` writes out at a time)."""
-    return max(1, ws.pager.layer_bytes // (ws.nbytes() // ws.capacity * ws.chunk_tokens))
+    return max(1, ws.pager.layer_bytes // ws.chunk_nbytes())
 
 
 def streamed_from(ws: KVCache) -> int | None:
@@ -66,8 +66,7 @@ def streamed_from(ws: KVCache) -> int | None:
 def use_streaming_stores(ws: KVCache, n_chunks: int, enabled: bool = True) -> bool:
     """Whether de-quantizing `n_chunks` chunks into `ws` is large enough for non-temporal stores
     (`enabled`: `actors.config.Tuning.streaming_stores`)."""
-    per_chunk = ws.nbytes() // ws.capacity * ws.chunk_tokens
-    return enabled and host_view(ws) is not None and n_chunks * per_chunk >= STREAM_MIN_BYTES
+    return enabled and host_view(ws) is not None and n_chunks * ws.chunk_nbytes() >= STREAM_MIN_BYTES
 
 
 def decode_timed(ws: KVCache, kv: np.ndarray | None, i: int, layers: range, enc: codecs.EncodedChunk,
@@ -141,7 +140,7 @@ class _Streamed:
             self.pager.set_resident(resident_layers)
             if not self.pager.streaming:
                 self.pager = None
-        self.chunk_bytes = ws.nbytes() // ws.capacity * ws.chunk_tokens
+        self.chunk_bytes = ws.chunk_nbytes()
         self.pending = 0
 
     def release(self, decodes: _Decodes, layers: range) -> None:

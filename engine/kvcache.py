@@ -174,6 +174,10 @@ class KVCache:
         """Bytes of the buffer as allocated (both K and V)."""
         return self.kv.numel() * self.kv.element_size()
 
+    def chunk_nbytes(self) -> int:
+        """Bytes of one chunk's slots in the buffer (every layer, K and V)."""
+        return self.nbytes() // self.capacity * self.chunk_tokens
+
     def ensure_capacity(self, n_tokens: int) -> None:
         """Grow (by doubling, in whole chunks) so that `n_tokens` slots fit."""
         if n_tokens <= self.capacity:

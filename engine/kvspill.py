@@ -281,13 +281,13 @@ class LayerPager:
 
     def release(self, layers: Iterable[int]) -> None:
         """The streamed ones among `layers` were filled outside a forward pass (a restore): write their
-        pages to disk and unmap them, in line, so a restore holds no more of them than it is filling."""
+        pages to disk and unmap them (as `leave` does) and wait, so a restore holds no more of them than
+        it is filling."""
+        layers = list(layers)
         for layer in layers:
-            if layer >= self.resident:
-                self.bg.wait("write", layer)
-                off, n = self.span(layer)
-                self.file.write_out(off, n)
-                self.file.unmap(off, n)
+            self.leave(layer, 0)
+        for layer in layers:
+            self.bg.wait("write", layer)
 
     def unmap_streamed(self) -> None:
         """Unmap every streamed layer (after a reader such as a write-back faulted them in; they are
