@@ -67,8 +67,8 @@ def test_streaming_stores_switch_turns_non_temporal_stores_off():
     from actors.restore import STREAM_MIN_BYTES, use_streaming_stores
 
     per_token = 1 << 16
-    ws = SimpleNamespace(nbytes=lambda: 4096 * per_token, capacity=4096, chunk_tokens=16,
-                         device=torch.device("cpu"), kv=torch.zeros(1))
+    ws = SimpleNamespace(nbytes=lambda: 4096 * per_token, chunk_nbytes=lambda: 16 * per_token, capacity=4096,
+                         chunk_tokens=16, device=torch.device("cpu"), kv=torch.zeros(1))
     n = -(-STREAM_MIN_BYTES // (16 * per_token))
     assert use_streaming_stores(ws, n) and not use_streaming_stores(ws, n - 1)
     assert not use_streaming_stores(ws, n, enabled=False)
