@@ -1,4 +1,6 @@
-"""The `llmaas` command line, run as a user runs it (a subprocess)."""
+"""The `llmaas` command line: its plain commands run as a user runs them (a subprocess); the variants of
+their flags run in this process through the same entry point (`deploy.cli.main`), which spares each the
+seconds a new process takes to import torch and load the model."""
 
 from __future__ import annotations
 
@@ -19,6 +21,21 @@ def run(*args, stdin=None, timeout=120):
         timeout=timeout,
         env=env,
     )
+
+
+def run_here(capsys, *args) -> tuple[int, str, str]:
+    """`llmaas ARGS` in this process: (exit status, stdout, stderr) as `run` gives them."""
+    from deploy.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's errors, and messages the commands exit with
+        code = e.code
+    out, err = capsys.readouterr()
+    if isinstance(code, str):  # what the interpreter does with `SystemExit("message")`
+        code, err = 1, err + code + "\n"
+    return code, out, err
 
 
 def test_help_lists_commands():
@@ -46,14 +63,14 @@ def test_chat_repl_keeps_one_context(engine):
     assert "tokens" in r.stderr  # /stats goes to stderr
 
 
-def test_bad_arguments_fail_clearly():
-    r = run("generate", "--prompt", "x", "--top-p", "3")
-    assert r.returncode == 2 and "top_p" in r.stderr and r.stdout == ""
-    r = run("generate", "--prompt", "x", "--model", "/nonexistent/model.gguf")
-    assert r.returncode == 2 and "does not exist" in r.stderr
+def test_bad_arguments_fail_clearly(capsys):
+    code, out, err = run_here(capsys, "generate", "--prompt", "x", "--top-p", "3")
+    assert code == 2 and "top_p" in err and out == ""
+    code, out, err = run_here(capsys, "generate", "--prompt", "x", "--model", "/nonexistent/model.gguf")
+    assert code == 2 and "does not exist" in err
 
 
-def test_generate_under_a_lora_adapter(engine, tmp_path):
+def test_generate_under_a_lora_adapter(engine, tmp_path, capsys):
     """`--adapter DIR`: the reply is the engine's under the same adapter (and not the base model's);
     a directory that is no adapter fails with the adapter's error code, no traceback."""
     from bench.model_files import random_adapter
@@ -63,14 +80,15 @@ def test_generate_under_a_lora_adapter(engine, tmp_path):
     adapter = AdapterSet(tmp_path, engine.model.cfg).add("tutor", "tutor")
     expected = engine.call(engine.new_ctx(adapter=adapter), PROMPT, max_tokens=8).text
     assert expected != engine.call(engine.new_ctx(), PROMPT, max_tokens=8).text
-    r = run("generate", "--chat", "--prompt", PROMPT, "--max-tokens", "8", "--adapter", str(tmp_path / "tutor"))
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == expected + "\n"
-    r = run("generate", "--prompt", PROMPT, "--adapter", str(tmp_path / "nowhere"))
-    assert r.returncode == 2 and "no adapter at" in r.stderr and "Traceback" not in r.stderr
+    code, out, err = run_here(capsys, "generate", "--chat", "--prompt", PROMPT, "--max-tokens", "8", "--adapter",
+                              str(tmp_path / "tutor"))
+    assert code == 0, err
+    assert out == expected + "\n"
+    code, out, err = run_here(capsys, "generate", "--prompt", PROMPT, "--adapter", str(tmp_path / "nowhere"))
+    assert code == 2 and "no adapter at" in err
 
 
-def test_generate_and_serve_take_a_kv_format(engine):
+def test_generate_and_serve_take_a_kv_format(engine, capsys):
     """`--kv-format kv8`: the reply is the engine's on a kv8 working set; `serve` refuses kv8 under a
     lossless policy before starting anything."""
     import pytest
@@ -82,9 +100,10 @@ def test_generate_and_serve_take_a_kv_format(engine):
 
     kv8 = ContextEngine(engine.model, engine.tok, EngineConfig(kv_format="kv8"))
     expected = kv8.call(kv8.new_ctx(), PROMPT, max_tokens=12).text
-    r = run("generate", "--chat", "--prompt", PROMPT, "--max-tokens", "12", "--kv-format", "kv8")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == expected + "\n"
+    code, out, err = run_here(capsys, "generate", "--chat", "--prompt", PROMPT, "--max-tokens", "12", "--kv-format",
+                              "kv8")
+    assert code == 0, err
+    assert out == expected + "\n"
     args = build_parser().parse_args(["serve", "--kv-format", "kv8", "--data-dir", "/tmp/unused"])
     assert options_from_args(args)["kv_format"] == "kv8"
     args = build_parser().parse_args(["serve", "--kv-format", "kv8", "--policy", "swap", "--data-dir", "/tmp/x"])
@@ -104,7 +123,7 @@ def test_write_stream_puts_progress_on_stderr_and_text_on_stdout():
     assert "prefill 2/2 layers (300 tokens)" in err.getvalue() and err.getvalue().endswith("\r\033[K")
 
 
-def test_generate_and_serve_stream_weights_beyond_a_resident_size(engine):
+def test_generate_and_serve_stream_weights_beyond_a_resident_size(engine, capsys):
     """`--weights-resident 16MiB`: the reply is the same with most weights streamed; `serve` passes the
     size on; sizes take units, and a bad one fails clearly."""
     import argparse
@@ -115,9 +134,10 @@ def test_generate_and_serve_stream_weights_beyond_a_resident_size(engine):
     from deploy.server import options_from_args
 
     expected = engine.call(engine.new_ctx(), PROMPT, max_tokens=8).text
-    r = run("generate", "--chat", "--prompt", PROMPT, "--max-tokens", "8", "--weights-resident", "16MiB")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == expected + "\n"
+    code, out, err = run_here(capsys, "generate", "--chat", "--prompt", PROMPT, "--max-tokens", "8",
+                              "--weights-resident", "16MiB")
+    assert code == 0, err
+    assert out == expected + "\n"
     args = build_parser().parse_args(["serve", "--weights-resident", "64M", "--prefill-budget", "32MiB",
                                       "--kv-budget", "1.5GB", "--data-dir", "/tmp/unused"])
     opts = options_from_args(args)
@@ -127,5 +147,5 @@ def test_generate_and_serve_stream_weights_beyond_a_resident_size(engine):
     for bad in ("lots", "12XB", "-3M"):
         with pytest.raises(argparse.ArgumentTypeError):
             byte_size(bad)
-    r = run("generate", "--prompt", "x", "--weights-resident", "many")
-    assert r.returncode == 2 and "is not a size" in r.stderr
+    code, out, err = run_here(capsys, "generate", "--prompt", "x", "--weights-resident", "many")
+    assert code == 2 and "is not a size" in err

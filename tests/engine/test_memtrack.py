@@ -38,7 +38,8 @@ def test_the_estimate_of_each_step_matches_the_tracked_tensors(resolved_model, w
                                        EngineConfig(weights=weights, dtype=dtype, native_attention=False),
                                        fingerprint=resolved_model.fingerprint)
     shape = prefill_shape(model, kv_format)  # what the service admits prefills with
-    for new, cached in ((512, 0), (300, 700)):
+    # both shapes in float32; half precision changes element sizes only, and its CPU matmuls are slow
+    for new, cached in ((512, 0), (300, 700)) if dtype == "float32" else ((300, 700),):
         cache = model.new_cache(new + cached, kv_format)
         cache.reserve(cached)  # slots the prompt attends to: their values change no tensor's size
         density = torch.zeros(new + cached)
