@@ -10,23 +10,15 @@ import torch
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
-    "Explain recursion to a ten-year-old.",
     "List three prime numbers larger than 100.",
     "Translate 'good morning' into Spanish and German.",
     "def fibonacci(n):\n    # complete this Python function",
     "What is 17 multiplied by 23?",
     "Summarise the plot of Romeo and Juliet in two sentences.",
-    "Give me a recipe for pancakes.",
-    "Why is the sky blue?",
-    "Name the planets of the solar system in order.",
     "What does HTTP status code 404 mean?",
     "Write a SQL query that counts rows in a table named users.",
     "Is a tomato a fruit or a vegetable? Answer briefly.",
-    "Describe the water cycle.",
-    "Who wrote 'Pride and Prejudice'?",
-    "Suggest a name for a cat that loves boxes.",
     "Convert 100 degrees Fahrenheit to Celsius.",
-    "What are the benefits of regular exercise?",
     "Écris une phrase en français sur la mer.",
 ]
 SYSTEMS = [None, "You are a terse assistant. Answer in one sentence."]
