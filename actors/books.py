@@ -1,4 +1,4 @@
-"""The memory governor's books: a row per chunk of a context, a book per context.
+"""The memory governor's books: a row per chunk of a context, a book per context, and its configuration.
 
 Plain data: what the governor knows of each chunk (its level, its resident handle, its file) and how
 that reads as a registry row, and how a context's book reads in `GET /v1/contexts/{id}`. The governor
@@ -95,3 +95,24 @@ def describe_context(row, state: dict, book: CtxBook, chunk_tokens: int, *, busy
         "working_set": {"held": working_set is not None,
                         "streamed_from_layer": working_set[0] if working_set is not None else None},
     }
+
+
+@dataclass(slots=True)
+class GovernorConfig:
+    """What `actors.governor.MemoryGovernor` is built with (`actors.service.components` derives it)."""
+
+    pool_bytes: int = 256 << 20
+    """KV memory pool budget: bytes of resident chunks as stored (compressed)."""
+    chunk_tokens: int = 16
+    """Tokens per chunk."""
+    policy: str = "llms"
+    """Policy set name (scheduler.policies.POLICIES)."""
+    dtype: str = "float32"
+    """Compute dtype of the K/V (codec naming)."""
+    pipeline_groups: int = 1
+    """Layer groups a restore streams from the reader to the consumer (the G of Eq. 4',
+    scheduler/pipeline.py); 1 plans with no overlap. Set by the service from its restorer."""
+    raw_chunk_bytes: int = 0
+    """Bytes of one full chunk's K/V at `raw` (the model's layers x K and V x KV heads x head size x
+    chunk tokens x the dtype's size). It measures pressure (`room`): while the contexts in the pool
+    fit at raw, nothing is lowered. 0: unknown, every plan at the policy's configured ratio."""

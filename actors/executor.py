@@ -330,7 +330,7 @@ class ModelExecutor:
             # read whole and unchanged by the call: resident as read, not encoded again
             loaded = [c for c in step.loaded if c[0] < first_modified and c[0] not in todo]
             through = step.plan.adapter if reply.write_through else None
-            if through is not None:  # on disk already; the pool is no place for a context this large
+            if streamed_from(self.ws) is not None:  # the pool is no place for a context this large
                 loaded = []
             self._schedule_write_back(ctx_id, todo, loaded, through=through)
         return CallOutcome(

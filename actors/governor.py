@@ -27,12 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from actors.books import Chunk, CtxBook, describe_context
+from actors.books import Chunk, CtxBook, GovernorConfig, describe_context
 from actors.messages import CallPlan, CommitReply
 from actors.writeback import Write, WritesInFlight
 from scheduler import levels as L
@@ -42,25 +41,6 @@ from scheduler.eviction import EvictionQueue
 from scheduler.pipeline import CostProfile, MissingChunk, OnlineCosts, RestoreLog, pipeline_delay, plan_restore, restore_shape
 from scheduler.policies import PolicySet, get_policy
 from storage.registry import Registry
-
-
-@dataclass(slots=True)
-class GovernorConfig:
-    pool_bytes: int = 256 << 20
-    """KV memory pool budget: bytes of resident chunks as stored (compressed)."""
-    chunk_tokens: int = 16
-    """Tokens per chunk."""
-    policy: str = "llms"
-    """Policy set name (scheduler.policies.POLICIES)."""
-    dtype: str = "float32"
-    """Compute dtype of the K/V (codec naming)."""
-    pipeline_groups: int = 1
-    """Layer groups a restore streams from the reader to the consumer (the G of Eq. 4',
-    scheduler/pipeline.py); 1 plans with no overlap. Set by the service from its restorer."""
-    raw_chunk_bytes: int = 0
-    """Bytes of one full chunk's K/V at `raw` (the model's layers x K and V x KV heads x head size x
-    chunk tokens x the dtype's size). It measures pressure (`room`): while the contexts in the pool
-    fit at raw, nothing is lowered. 0: unknown, every plan at the policy's configured ratio."""
 
 
 class ContextBusyError(RuntimeError):
@@ -367,10 +347,10 @@ class MemoryGovernor:
         writes it there), so a governor rebuilt from the registry knows it.
 
         `streamed_from`: the first layer the executor's working set streams (the context is larger than
-        its memory budget; None: every layer in memory); `describe` shows it. Under a swap policy the
-        reply then says `write_through`: the executor writes the chunks to disk itself, a batch at a
-        time, rather than putting them all in the pool to be evicted (`admit`'s `stored`).
-        """
+        its memory budget; None: every layer in memory); `describe` shows it. None of its chunks then
+        enters the pool: under a swap policy the reply says `write_through` (the executor writes them to
+        disk itself, a batch at a time: `admit`'s `stored`); under the kill policy the context is killed
+        at once and the reply asks for nothing."""
         book = self.books[ctx]
         if request_id is not None and request_id == book.request_id:
             return CommitReply({}, repeated=True)
@@ -402,6 +382,10 @@ class MemoryGovernor:
             if ch is not None:
                 ch.density = float(chunk_density[i])
         self.working_set = (ctx, streamed_from)
+        if streamed_from is not None and self.policy.on_pressure == "kill":  # no chunk of it enters the pool
+            self.stats["killed_contexts"] += 1
+            self._evict(ctx, list(book.chunks))
+            return CommitReply({})
         through = streamed_from is not None and self.policy.on_pressure == "swap"
         if through:  # a write ahead of time of an older copy must not land after the executor's
             self._settle(ctx, list(todo))
@@ -535,19 +519,24 @@ class MemoryGovernor:
                 wrote += len(todo)
             else:
                 self.stats["killed_contexts"] += 1
-            for i in idxs:
-                ch = book.chunks[i]
-                self.release(ch.handle)
-                ch.handle, ch.nbytes = None, 0
-                self.stats["evictions"] += 1
-                if ch.file is None:  # killed: nothing left but the token ids
-                    book.chunks.pop(i)
+            self._evict(c, idxs)
             # only the evicted rows changed; without a new file, nothing a restart would keep
             if defer and not todo:
                 self._unsaved.setdefault(c, set()).update(idxs)
             else:
                 self._persist_rows(c, book, idxs, durable=bool(todo))
         return len(victims), wrote
+
+    def _evict(self, ctx: str, idxs: Iterable[int]) -> None:
+        """Chunks of `ctx` out of the pool; those without a file leave the books (killed: nothing is left
+        but the token ids, recomputed when next needed)."""
+        book = self.books[ctx]
+        for i in idxs:
+            ch = book.chunks[i]
+            self.stats["evictions"] += ch.handle is not None
+            self._drop_resident(ctx, i, ch)
+            if ch.file is None:
+                book.chunks.pop(i)
 
     def _pop_victims(self, need: int, skip=None) -> list[tuple[str, int]]:
         try:

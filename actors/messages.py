@@ -145,7 +145,8 @@ class CommitReply:
     """The executor writes the `todo` chunks to disk itself and `admit`s them as `stored`, not through
     the pool (asked for with `streamed_from`, given under a swap policy): a context larger than the memory
     budget never has all its encoded chunks in memory at once. The context's writes in flight are
-    done, so none lands after the executor's."""
+    done, so none lands after the executor's. (Under the kill policy such a context is killed at once
+    instead, and `todo` is empty.)"""
 
 
 @dataclass(slots=True)

@@ -111,9 +111,12 @@ def test_a_long_prompt_runs_in_partitions_or_is_refused_with_its_estimate(small_
 
 def test_on_ray_a_streamed_context_is_recomputed_into_the_mapped_working_set(ray_cluster, small_engine, tmp_path):
     """On Ray with a prefill budget the executor's working set is a file under `<data_dir>/ws` that the
-    recompute worker maps by its path: a long prompt runs streamed and answers as the engine does; once
-    another context took the working set and the first was killed (`lmk`, a pool far below it), the
-    worker recomputes it into that file and its next turn answers as the engine's too."""
+    recompute worker maps by its path: a long prompt runs streamed and answers as the engine does, and
+    under the kill policy (`lmk`) the context is killed at once, none of its chunks put in the pool; once
+    another context took the working set, the worker recomputes it into that file and its next turn
+    answers as the engine's too."""
+    import ray
+
     from actors.ray_service import wire_ray
 
     e = small_engine
@@ -128,6 +131,11 @@ def test_on_ray_a_streamed_context_is_recomputed_into_the_mapped_working_set(ray
         out = svc.call(tok, a, LONG, max_tokens=8)
         assert out.prefill_plan == "severe" and out.streamed_bytes > 0 and out.token_ids == want[0]
         assert list((tmp_path / "ws").glob("t-stream-ws-*"))  # the working set's file, mapped by both
+        svc.flush()  # after the reply: killed at once, none of its chunks put in the pool (and evicted)
+        chunks = svc.describe(tok, a)["chunks"]
+        assert chunks["resident"] == {} and chunks["to_recompute"] == chunks["total"] > 0, chunks
+        stats = ray.get(svc.parts.gov.__ray_call__.remote(lambda actor: dict(actor.gov.stats)))
+        assert (stats["killed_contexts"], stats["evictions"]) == (1, 0), stats
         assert svc.call(tok, b, "Hi.", max_tokens=4).token_ids == want[1]
         back = svc.call(tok, a, "Thanks.", max_tokens=4)
         assert back.restore.recomputed > 0 and back.token_ids == want[2]
