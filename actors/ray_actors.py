@@ -4,7 +4,9 @@ worker's, `actors.recompute.RecomputeWorker`, only gains the probe). The executo
 `actors.ray_restore.RayRestorer`.
 
 - governor and IO worker request no CPU; executor and recompute worker one each, with one torch thread
-  each, so torch threads add up to at most 2 on a 2-core node;
+  each, so torch threads add up to at most 2 on a 2-core node; governor and IO worker never load
+  torch (this module imports what needs it inside the model actors' constructors): about 180 MiB of
+  memory each;
 - a restore that recomputes runs in the recompute worker, which consumes the IO worker's stream of
   layer groups (a Ray streaming generator) and decodes and recomputes into the executor's working
   set in shared memory; one that does not runs in the executor, which de-quantizes on a pool of two
@@ -33,14 +35,12 @@ from pathlib import Path
 
 import ray
 
-from actors.admission import streamable_working_set
 from actors.config import ServiceConfig, Tuning, private_files
 from actors.service import Components
 from actors.messages import PoolRef, WithReleases
 from actors.predictor import QueryPredictor
-from actors.ray_restore import RayRestorer, per_ref_seconds
 from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
-from actors.recompute import FileSegment, RecomputeWorker, shared_working_set, working_set_nbytes
+from actors.recompute import RecomputeWorker
 from actors.swapio import KVSwapIO
 
 
@@ -378,7 +378,10 @@ class ExecutorActor(Health):
                  recompute_handle, io_handle, prefix: str, threads: int) -> None:
         import torch
 
+        from actors.admission import streamable_working_set
         from actors.executor import ModelExecutor
+        from actors.ray_restore import RayRestorer, per_ref_seconds
+        from actors.recompute import FileSegment, shared_working_set, working_set_nbytes
         from engine.chat import ChatTokenizer
         from engine.context import ContextEngine
         from engine.kvcache import KVCache

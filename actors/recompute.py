@@ -11,21 +11,28 @@ decoded K/V are written in place, where the executor attends to them.
 
 The restore itself is `actors.restore.restore`, the same algorithm the executor runs. A chunk whose
 file turns out missing or corrupt is recomputed instead, so a restore never yields wrong K/V.
+
+torch, the restore and the K/V buffer are imported where they are used: `actors.ray_actors` imports
+this module in the governor's and IO worker's processes too, which then never load torch (about
+180 MiB of memory each).
 """
 
 from __future__ import annotations
 
 import os
 from multiprocessing import shared_memory
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from actors.config import Tuning, private_files
 from actors.messages import RestoreRequest, RestoreStats
-from actors.restore import STREAMED_AHEAD, restore
 from engine.config import ModelConfig
-from engine.kvcache import KVCache, buffer_shape
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.kvcache import KVCache
 
 
 _STAGE_OF = {"resident": "decode", "decode": "decode", "read": "io", "recompute": "recompute"}
@@ -44,6 +51,8 @@ def stage_seconds(timeline) -> dict[str, float]:
 
 
 def _working_set_shape(cfg: ModelConfig, capacity: int, kv_format: str) -> tuple[tuple[int, ...], type]:
+    from engine.kvcache import buffer_shape
+
     return buffer_shape(cfg, capacity, kv_format), np.uint8 if kv_format == "kv8" else np.float32
 
 
@@ -73,6 +82,8 @@ def shared_working_set(cfg: ModelConfig, capacity: int, name: str, create: bool,
     """A float32 `[L, 2, Hkv, capacity, D]` tensor (`kv8`: uint8 rows of D + 4) over POSIX shared
     memory `name`. Pages cost memory only once written. (A streamable working set is a file instead:
     `actors.admission.streamable_working_set`, mapped by `engine.kvcache.KVCache.mapped`.)"""
+    import torch
+
     from actors.swapio import attach_segment
 
     shape, dtype = _working_set_shape(cfg, capacity, kv_format)
@@ -96,6 +107,8 @@ class RecomputeWorker:
 
     def __init__(self, model_dir: str, fingerprint: str, engine_cfg, io=None, threads: int = 1,
                  tuning: Tuning = Tuning(), adapter_root: str | None = None) -> None:
+        import torch
+
         from engine.lora import AdapterSet
         from engine.model import Transformer
 
@@ -117,6 +130,8 @@ class RecomputeWorker:
 
     def _attach(self, name: str, capacity: int) -> KVCache:
         """Map the executor's working set; again after the executor restarted with a new segment."""
+        from engine.kvcache import KVCache
+
         if self.shm is None or self.shm_name != name:
             if self.shm is not None:
                 self.shm.close()
@@ -149,6 +164,7 @@ class RecomputeWorker:
         import ray
 
         from actors.ray_stubs import resolve_chunks
+        from actors.restore import STREAMED_AHEAD, restore
 
         ws = self._attach(req.shm_name, req.capacity)
         ahead = STREAMED_AHEAD if req.resident_layers is not None else None  # a bounded stream

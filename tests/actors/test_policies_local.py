@@ -21,7 +21,7 @@ from storage import codecs
 # as measured by `llmaas profile` on a 2-core machine (recompute: a fixed cost plus ~22 ms a chunk)
 PROFILE = CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json()
 
-N_CTX = 6
+N_CTX = 4
 ROUNDS = 2
 MAX_TOKENS = 6
 MAX_TOKENS_LOSSY = 2  # lossy runs compare perplexity, not replies: fewer decode steps, same swapping
@@ -78,7 +78,7 @@ def run(policy, small_engine, texts, reference, tmp_path, max_tokens=MAX_TOKENS)
     _, total_chunks = reference
     level = "q8" if policy in ("vllm-sq", "llms-no-compress") else ("q4" if policy.startswith("llms") else "raw")
     per_chunk = codecs.stored_nbytes(level, (30, 2, 3, 16, 64))
-    budget = total_chunks * per_chunk // 4  # room for about 1.5 of the 6 contexts
+    budget = total_chunks * per_chunk // 3  # room for about 1.3 of the 4 contexts
     svc = wire_local(ServiceConfig(data_dir=str(tmp_path / policy), policy=policy, pool_bytes=budget,
                                      max_context_tokens=512, profile=PROFILE), engine=small_engine)
     gov = svc.governor

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -88,6 +89,9 @@ def test_lossless_on_ray_survives_executor_kills_a_full_ray_restart_and_lost_fil
     # the executor holds the refs of exactly the chunks the governor counts resident (none leaked)
     held = ray.get(svc.parts.executor.held_refs.remote())
     assert held == len(ray.get(svc.parts.gov.held_handles.remote())) and held > 0
+    # the governor's and IO worker's processes never imported torch (about 180 MiB of memory each)
+    for role in ("gov", "io"):
+        assert not ray.get(getattr(svc.parts, role).__ray_call__.remote(lambda _actor: "torch" in sys.modules)), role
 
     # killed twice more, between calls
     for k, c in enumerate(more, start=1):
