@@ -52,13 +52,36 @@ def test_lossless_on_ray_survives_executor_kills_a_full_ray_restart_and_lost_fil
     Lossless replies equal the engine's with chunks read back from disk. The executor killed while it
     decodes a reply: the call fails with `CallInterruptedError`, Ray restarts the executor, the governor
     drops the dead process's locks and resident chunks (objects it owned) and rebuilds from the registry;
-    the interrupted turn leaves no trace, nothing stays locked, nothing is read from a dead object. Killed
-    twice more, it answers after each (before, the third failure was permanent), and each restart is
-    counted. Then a full Ray restart with a context's oldest pack lost meanwhile: the fault primitive
-    recomputes its chunks from their token ids."""
+    the interrupted turn leaves no trace, nothing stays locked, nothing is read from a dead object. Its
+    process ending between a call's commit and its reply (the fault injected at that step): the call
+    sent again with the same request id gets the committed turn, appended once. Killed a third time, it
+    answers again (before, the third failure was permanent), and each restart is counted. Then a full
+    Ray restart with a context's oldest pack lost meanwhile: the fault primitive recomputes its chunks
+    from their token ids."""
     from actors.messages import CallInterruptedError
+    from actors.ray_actors import ExecutorActor
 
-    svc = start(tmp_path, "vllm-s", "t-lossless", pool_bytes=3 << 20)  # about 1 of 4 contexts raw
+    marker = tmp_path / "died-once"  # present: the executor lives on past its commits
+
+    class DiesAfterCommit(ExecutorActor):
+        """Ends its process right after the governor committed a call's turn, before the reply leaves,
+        once the test removed `marker` (and makes it again, so only once)."""
+
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            schedule = self.ex._schedule_write_back  # the step right after the commit
+
+            def die_once(*args, **kw):
+                if not marker.exists():
+                    marker.write_text("")
+                    os._exit(1)
+                schedule(*args, **kw)
+
+            self.ex._schedule_write_back = die_once
+
+    marker.write_text("")
+    svc = start(tmp_path / "data", "vllm-s", "t-lossless", pool_bytes=3 << 20,  # about 1 of 4 contexts raw
+                actors={"executor_actor": DiesAfterCommit})
     tok = svc.bind("app")
     ctxs = [svc.new_ctx(tok, "You are terse.") for _ in PROMPTS]
     more = [svc.new_ctx(tok, "You are terse.") for _ in range(2)]  # first turns after the later kills
@@ -93,28 +116,44 @@ def test_lossless_on_ray_survives_executor_kills_a_full_ray_restart_and_lost_fil
     for role in ("gov", "io"):
         assert not ray.get(getattr(svc.parts, role).__ray_call__.remote(lambda _actor: "torch" in sys.modules)), role
 
-    # killed twice more, between calls
-    for k, c in enumerate(more, start=1):
-        ray_cluster.kill(svc.parts.executor, no_restart=False)
-        for _attempt in range(3):  # a call may still meet the dying process; the next waits for the new one
-            try:
-                out = svc.call(tok, c, PROMPTS[k], max_tokens=8)
-                break
-            except CallInterruptedError:
-                continue
-        else:
-            pytest.fail(f"no answer after kill {k + 1}")
-        assert out.token_ids == reference[0][k], k  # a first turn: exactly the engine's
-    assert len((tmp_path / "restarts" / "executor").read_text().split()) == 3
+    # the executor's process ends right after the governor committed a call's turn, before the reply
+    # leaves: the client sees the call interrupted and sends it again with the same request id; it
+    # gets the committed turn, appended once
+    c = more[0]
+    before = svc.describe(tok, c)["turns"]
+    marker.unlink()
+    with pytest.raises(CallInterruptedError):
+        svc.call(tok, c, PROMPTS[1], request_id="r-1", max_tokens=8)
+    assert marker.exists()  # it died where it should, and only once
+    committed = svc.describe(tok, c)["turns"]
+    assert len(committed) == len(before) + 2  # the turn was durable before the reply
+    again = svc.call(tok, c, PROMPTS[1], request_id="r-1", max_tokens=8)
+    assert svc.describe(tok, c)["turns"] == committed
+    assert again.text == committed[-1]["text"] and again.completion_tokens > 0
+    svc.call(tok, c, FOLLOW[1], request_id="r-2", max_tokens=8)  # another id: another turn
+    assert len(svc.describe(tok, c)["turns"]) == len(committed) + 2
+
+    # killed once more, between calls: the third restart (before, the third failure was permanent)
+    ray_cluster.kill(svc.parts.executor, no_restart=False)
+    for _attempt in range(3):  # a call may still meet the dying process; the next waits for the new one
+        try:
+            out = svc.call(tok, more[1], PROMPTS[2], max_tokens=8)
+            break
+        except CallInterruptedError:
+            continue
+    else:
+        pytest.fail("no answer after the third restart")
+    assert out.token_ids == reference[0][2]  # a first turn: exactly the engine's
+    assert len((tmp_path / "data" / "restarts" / "executor").read_text().split()) == 3
     svc.close()
 
     # a full Ray restart (nothing of the old cluster survives: actors, object store, GCS), and the
     # oldest pack of the first context lost meanwhile
     restart_ray()
-    files = sorted((tmp_path / "chunks" / ctxs[0]).glob("*.kvp"))
+    files = sorted((tmp_path / "data" / "chunks" / ctxs[0]).glob("*.kvp"))
     assert files
     files[0].unlink()
-    svc = start(tmp_path, "vllm-s", "t-lossless2", pool_bytes=3 << 20)
+    svc = start(tmp_path / "data", "vllm-s", "t-lossless2", pool_bytes=3 << 20)
     outs = [svc.call(tok, c, LAST, max_tokens=8) for c in ctxs]
     assert [o.token_ids for o in outs] == reference[2]
     assert outs[0].restore.recomputed >= 1 or outs[0].restore.faults >= 1
@@ -297,51 +336,6 @@ def test_actor_killed_mid_restore_is_retried_exactly(ray_cluster, reference, tmp
     assert len(reads) >= 2, tl
     assert any(reads[0] <= a < reads[-1] for what, _i, a, _b in tl if what == "decode"), \
         "no loaded chunk was de-quantized while later ones were still read"
-    svc.close()
-
-
-def test_executor_dying_between_commit_and_reply_appends_the_retried_turn_once(ray_cluster, tmp_path):
-    """The executor process ends right after the governor committed a call's turn, before the reply
-    leaves (the fault injected at that step by a subclass); the client sees the call interrupted and
-    sends it again with the same request id: it gets the committed turn, appended once."""
-    from actors.messages import CallInterruptedError
-    from actors.ray_actors import ExecutorActor
-    from actors.ray_service import wire_ray
-
-    marker = tmp_path / "died-once"
-
-    class DiesAfterCommit(ExecutorActor):
-        def __init__(self, *args, **kw) -> None:
-            super().__init__(*args, **kw)
-            schedule = self.ex._schedule_write_back  # the step right after the commit
-
-            def die_once(*args, **kw):
-                if not marker.exists():
-                    marker.write_text("")
-                    os._exit(1)
-                schedule(*args, **kw)
-
-            self.ex._schedule_write_back = die_once
-
-    profile = CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json()
-    cfg = ServiceConfig(data_dir=str(tmp_path / "data"), policy="llms", max_context_tokens=512, profile=profile)
-    marker.write_text("")  # no death while the context is made and answered first
-    svc = wire_ray(cfg, prefix="t-commit-kill", executor_actor=DiesAfterCommit)
-    tok = svc.bind("app")
-    ctx = svc.new_ctx(tok, "You are terse.")
-    svc.call(tok, ctx, "Name a fruit.", max_tokens=4)
-    before = svc.describe(tok, ctx)["turns"]
-    marker.unlink()
-    with pytest.raises(CallInterruptedError):
-        svc.call(tok, ctx, "Name a colour.", request_id="r-1", max_tokens=4)
-    assert marker.exists()  # it died where it should, and only once
-    committed = svc.describe(tok, ctx)["turns"]
-    assert len(committed) == len(before) + 2  # the turn was durable before the reply
-    again = svc.call(tok, ctx, "Name a colour.", request_id="r-1", max_tokens=4)
-    assert svc.describe(tok, ctx)["turns"] == committed
-    assert again.text == committed[-1]["text"] and again.completion_tokens > 0
-    svc.call(tok, ctx, "Name a colour.", request_id="r-2", max_tokens=4)  # another id: another turn
-    assert len(svc.describe(tok, ctx)["turns"]) == len(committed) + 2
     svc.close()
 
 
