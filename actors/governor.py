@@ -369,6 +369,11 @@ class MemoryGovernor:
         book.kv_tokens = kv_tokens
         for i in void:  # after the books: a failed delete leaves a stale record, never stale books
             self._delete_file(ctx, i)
+        if streamed_from is not None and self.policy.on_pressure == "kill":  # killed now: nothing to plan
+            self.working_set = (ctx, streamed_from)
+            self.stats["killed_contexts"] += 1
+            self._evict(ctx, list(book.chunks))
+            return CommitReply({})
         partial = kv_tokens % self.cfg.chunk_tokens != 0
         current = [book.chunks[i].level if i in book.chunks else None for i in range(n_chunks)]
         pinned = [i for i in range(n_chunks) if i in book.chunks and book.chunks[i].pinned_exact]
@@ -382,10 +387,6 @@ class MemoryGovernor:
             if ch is not None:
                 ch.density = float(chunk_density[i])
         self.working_set = (ctx, streamed_from)
-        if streamed_from is not None and self.policy.on_pressure == "kill":  # no chunk of it enters the pool
-            self.stats["killed_contexts"] += 1
-            self._evict(ctx, list(book.chunks))
-            return CommitReply({})
         through = streamed_from is not None and self.policy.on_pressure == "swap"
         if through:  # a write ahead of time of an older copy must not land after the executor's
             self._settle(ctx, list(todo))
