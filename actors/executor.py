@@ -30,7 +30,8 @@ from typing import Any, Callable
 import numpy as np
 
 from actors.admission import admit_prefill, apply_plan, prefill_shape, restore_layers
-from actors.messages import CallOutcome, CallPlan, CommitReply, RagCall, RagOutcome, RestoreStats
+from actors.messages import (CallOutcome, CallPlan, CommitReply, RagCall, RagOutcome, RestoreStats,
+                             check_deadline)
 from actors.priority import PriorityLock
 from actors.recompute import stage_seconds
 from actors.restore import streamed_from
@@ -52,15 +53,6 @@ def density_from_blob(blob: bytes, tr: DensityTracker) -> None:
     n = len(blob) // 16
     tr.sums = np.frombuffer(blob[: 8 * n], "<f8").copy()
     tr.rows = np.frombuffer(blob[8 * n :], "<i8").copy()
-
-
-class CallTimeoutError(TimeoutError):
-    code = "timeout"
-
-
-def _check_deadline(deadline: float | None, message: str) -> None:
-    if deadline is not None and time.time() > deadline:
-        raise CallTimeoutError(message)
 
 
 @dataclass(slots=True)
@@ -220,7 +212,7 @@ class ModelExecutor:
         prefilled into the working set and answered; nothing is stored, locked or counted against the
         app's contexts. Generator of text deltas; returns a `CallOutcome`."""
         with self._lock.real():
-            _check_deadline(deadline, "the call waited past its deadline before it started")
+            check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
             self.flush()
             self._last = None  # the working set is taken: the next call restores its context
@@ -234,7 +226,7 @@ class ModelExecutor:
             written = self._written()
             stream = self.engine.stream(ectx, prompt, **engine_params)
             for delta in stream:
-                _check_deadline(deadline, "the call ran past its deadline")
+                check_deadline(deadline, "the call ran past its deadline")
                 yield delta
             r = stream.result
         return CallOutcome(
@@ -250,17 +242,23 @@ class ModelExecutor:
         yield outcome
 
     def rag_call(self, call: RagCall) -> RagOutcome:
-        """A RAG prompt (`actors.rag.run_rag_call`) in the working set, which it takes as a call on no
-        context does (the next call restores its context); its nodes go through the IO worker. A
-        `call.background` one yields to any real call (`PreemptedError`) before it starts and at each
-        layer or token."""
-        from actors.rag import run_rag_call
+        """`rag_stream` run to its end: its outcome."""
+        *_, outcome = self.rag_stream(call)
+        return outcome
+
+    def rag_stream(self, call: RagCall):
+        """A RAG prompt (`actors.rag.stream_rag_call`) in the working set, which it takes as a call on no
+        context does (the next call restores its context); its nodes go through the IO worker. Text
+        deltas, then the `RagOutcome` as the last item. A `call.background` one yields to any real call
+        (`PreemptedError`) before it starts and at each layer or token."""
+        from actors.rag import stream_rag_call
 
         with self._lock.background() if call.background else self._lock.real():
+            check_deadline(call.deadline, "the RAG call waited past its deadline before it started")
             self.flush()
             self._last = None
-            return run_rag_call(self.engine, self.io, call, self.adapters.by_key(call.adapter), cache=self.ws,
-                                should_stop=self._lock.should_yield if call.background else None)
+            yield from stream_rag_call(self.engine, self.io, call, self.adapters.by_key(call.adapter), cache=self.ws,
+                                       should_stop=self._lock.should_yield if call.background else None)
 
     def activity(self) -> tuple[float, int]:
         """`ExecutorPort.activity`: when the last real call began or ended, and how many run or wait."""
@@ -300,7 +298,7 @@ class ModelExecutor:
         `request_id`: a call retried with the id of one already committed runs nothing and returns
         the committed turn (a retry after the executor stopped between the commit and the reply)."""
         with self._lock.real():
-            _check_deadline(deadline, "the call waited past its deadline before it started")
+            check_deadline(deadline, "the call waited past its deadline before it started")
             t0 = time.perf_counter()
             behind, reading = self._await_write_back(ctx_id, app)  # inside switch_ms
             step = self._lock_and_plan(app, ctx_id, behind)
@@ -426,7 +424,7 @@ class ModelExecutor:
         prefill, engine_params = self._admit(ectx, prompt, params)
         stream = self.engine.stream(ectx, prompt, **engine_params)
         for delta in stream:
-            _check_deadline(deadline, "the call ran past its deadline; its turn was rolled back")
+            check_deadline(deadline, "the call ran past its deadline; its turn was rolled back")
             yield delta
         if ectx.cache is not self.ws:  # an overflow re-prefilled into a new cache: take it over
             self._encoded.wait()  # the last write-back may still read the slots about to be overwritten

@@ -8,10 +8,12 @@ actor module imports another to get a type. What each role does with them is in 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+
 
 class CallInterruptedError(RuntimeError):
     """A call stopped by an actor failure (the actor restarts and rebuilds its state)."""
@@ -24,6 +26,18 @@ class PreemptedError(RuntimeError):
     a real call at a layer or token boundary; nothing of it was kept."""
 
     code = "preempted"
+
+
+class CallTimeoutError(TimeoutError):
+    """A call ran past its deadline (`time.time()` seconds); what it had done was rolled back."""
+
+    code = "timeout"
+
+
+def check_deadline(deadline: float | None, message: str) -> None:
+    """`CallTimeoutError(message)` once `deadline` has passed (None: none)."""
+    if deadline is not None and time.time() > deadline:
+        raise CallTimeoutError(message)
 
 
 # ---- keys ----------------------------------------------------------------------------------------
@@ -303,6 +317,9 @@ class RagCall:
     background: bool = False
     """Low priority (the query predictor's idle work): it yields to any real call at the next layer of
     its prefill or token of its reply (`PreemptedError`), so a real call waits for one such slice."""
+    deadline: float | None = None
+    """`time.time()` past which the call stops before its next node, layer or token (`CallTimeoutError`;
+    nothing is written). None: no deadline."""
 
 
 @dataclass(slots=True)

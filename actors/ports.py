@@ -181,9 +181,13 @@ class ExecutorPort(Protocol):
         """`stream` on no context: nothing stored, locked or counted against the app's contexts."""
 
     def rag_call(self, call: RagCall) -> RagOutcome:
-        """Run a RAG prompt in the working set from cached K/V nodes (`actors.rag.run_rag_call`); like
+        """Run a RAG prompt in the working set from cached K/V nodes (`actors.rag.stream_rag_call`); like
         a call on no context, nothing of a context is stored. A `call.background` one yields to real
         calls (`PreemptedError`)."""
+
+    def rag_stream(self, call: RagCall) -> Iterator[Any]:
+        """`rag_call` as it decodes: text deltas, then the `RagOutcome` as the last item (object refs on
+        Ray). Closed early, the call stops and writes nothing."""
 
     def activity(self) -> tuple[float, int]:
         """(`time.time()` of the last real call's start or end, real calls running or waiting): how
@@ -224,6 +228,10 @@ class PredictorPort(Protocol):
 
     def query(self, app: str, collection: str, question: str, params: dict) -> Any:
         """Answer a question over a collection (`actors.ragfront.RagAnswer`)."""
+
+    def query_stream(self, app: str, collection: str, question: str, params: dict) -> Iterator[Any]:
+        """`query` as it decodes: text deltas, then the `RagAnswer` as the last item (object refs on
+        Ray). Closed early, the model's call stops and nothing is stored."""
 
     def embed(self, texts: list[str]) -> Any:
         """Unit embedding rows of `texts` (numpy float32 `[n, d]`)."""

@@ -1,6 +1,7 @@
 """The query predictor (the design card's fifth actor): the node's RAG cache (PerCache). It holds the
 knowledge bank, the embedding model, the QA bank and the K/V tree (`actors.ragfront.RagCache`), and
-drives the one model executor for RAG prompts through its port (`rag_call`). A plain class; on Ray
+drives the one model executor for RAG prompts through its port (`rag_call`; `rag_stream` for a user's
+query whose answer is streamed as it decodes). A plain class; on Ray
 `actors.ray_actors.PredictorActor` hosts it with one torch thread and no CPU of its own.
 
 In idle time it predicts queries (PerCache §4.1.2) and runs them through the same path as real ones
@@ -8,7 +9,9 @@ In idle time it predicts queries (PerCache §4.1.2) and runs them through the sa
 abstract (topics, names, terms) from the new passages and writes questions about them; after a burst
 of user queries and a quiet period, it writes questions in their style. Each predicted question
 populates the K/V tree, and the QA bank with an answer when the cache scheduler says decoding pays
-(`scheduler.ragcache.CacheScheduler.populate`). The work is low priority (`RagCall.background`): it
+(`scheduler.ragcache.CacheScheduler.populate`). Between rounds it converts across levels (PerCache
+§4.3.3): it decodes stored questions that lack an answer, and once the K/V tree's cap has grown, it
+prefills again the stored questions whose nodes were evicted. The work is low priority (`RagCall.background`): it
 runs only when the executor has been idle `IdlePolicy.idle_after_s`, within a per-app daily budget of
 model-seconds, optionally on mains power only, and it yields to any real call at the next layer or
 token (`actors.priority.PriorityLock`). What it knows (abstracts, recent queries, what is pending,
@@ -20,13 +23,14 @@ RAG request never pays for it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -34,6 +38,7 @@ from actors.config import RagConfig
 from actors.messages import KVKey, PreemptedError, RagCall
 from actors.ragfront import RagAnswer, RagCache
 from scheduler.ragcache import CacheScheduler, IdlePolicy, IdleState, PredictRound
+from storage.ragstore import QAEntryNotFoundError
 
 PREDICT_SYSTEM = "You help a user with their own documents. Answer briefly."
 ABSTRACT_PROMPT = ("List the main topics, names and terms of these passages from the user's documents, "
@@ -80,11 +85,14 @@ class QueryPredictor:
     def __init__(self, data_dir: str, tokenizer, executor, delete_node: Callable[[str], Any], model_key: KVKey,
                  config: RagConfig | None = None, *, embed: Callable[[list[str]], np.ndarray] | None = None,
                  clock: Callable[[], float] = time.time, idle: IdlePolicy | None = None,
-                 power: Callable[[], bool | None] = mains_power) -> None:
+                 power: Callable[[], bool | None] = mains_power,
+                 resolve_stream: Callable[[Iterator[Any]], Iterator[Any]] = iter) -> None:
         """`tokenizer`: the model's `engine.chat.ChatTokenizer`; `executor`: an `ExecutorPort`;
         `delete_node`: the IO port's `delete_context`; `embed`: an embedding function (default: the
         packaged all-MiniLM-L6-v2, loaded on first use); `idle`: when and how much to predict;
-        `power`: reads whether the node is on mains power."""
+        `power`: reads whether the node is on mains power; `resolve_stream`: the items of the
+        executor's `rag_stream` from what it returns (itself in one process; on Ray its object refs
+        fetched, `actors.ray_stubs.resolved_items`)."""
         from engine.rag import RagTemplate
         from storage.knowledge import KnowledgeBank, KnowledgeConfig
         from storage.ragstore import RagStore
@@ -97,7 +105,8 @@ class QueryPredictor:
                                   config=KnowledgeConfig(chunk_tokens=(config or RagConfig()).passage_tokens))
         self.store = RagStore(db, clock=clock)
         self.rag = RagCache(self.bank, self.store, self.embed, RagTemplate(tokenizer), executor.rag_call,
-                            delete_node, model_key, config, clock=clock)
+                            delete_node, model_key, config, clock=clock,
+                            run_stream=lambda call: resolve_stream(executor.rag_stream(call)))
         self.tok, self.executor, self.clock, self.power = tokenizer, executor, clock, power
         self.scheduler = CacheScheduler()
         self._lock = threading.RLock()  # the idle bookkeeping, shared by `tick` and the routes (never held
@@ -159,14 +168,27 @@ class QueryPredictor:
     # ---- queries ------------------------------------------------------------------------------------
     def query(self, app: str, collection: str, question: str, params: dict) -> RagAnswer:
         """Answer `question` over `app`'s `collection` (`RagCache.query`; `params`: `k`, `tau_query`,
-        `adapter` and sampling)."""
+        `adapter`, `deadline` and sampling)."""
         answer = self.rag.query(app, collection, question, **params)
+        self._query_seen(app, collection, question)
+        return answer
+
+    def query_stream(self, app: str, collection: str, question: str, params: dict):
+        """`query` as it decodes (`RagCache.query_stream`): text deltas, then the `RagAnswer`."""
+        with contextlib.closing(self.rag.query_stream(app, collection, question, **params)) as items:
+            for item in items:
+                if not isinstance(item, str):
+                    self._query_seen(app, collection, question)
+                yield item
+
+    def _query_seen(self, app: str, collection: str, question: str) -> None:
+        """A user's query was answered: the idle clock restarts, and the query joins the recent ones
+        that history rounds predict from."""
         with self._lock:
             self.idle.query_seen(app, self.clock())
             recent = self._app(app)["recent"].setdefault(collection, [])
             recent[:] = (recent + [question])[-RECENT_QUERIES:]
             self._save(app)
-        return answer
 
     # ---- idle work (PerCache §4.1.2) -----------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[dict]:
@@ -180,31 +202,62 @@ class QueryPredictor:
             todo = [(app, self.idle.next_work(app, now)) for app in self.idle.apps() if self.idle.may_work(app, now).ok]
         done = []
         for app, work in todo:
-            done.append(self._round(app, work, now) if work is not None else self._answer_pending(app, now))
+            done.append(self._round(app, work, now) if work is not None else self._convert(app, now))
             if done[-1].get("preempted"):
                 break
-        return [d for d in done if d["questions"] or d.get("preempted")]
+        return [d for d in done if d["questions"] or d.get("prefilled") or d.get("preempted")]
 
-    def _answer_pending(self, app: str, now: float) -> dict:
-        """Decode up to `stride` stored questions without an answer (refreshed ones, and predicted ones
-        prefilled only), when the cache scheduler says decoding pays (PerCache §4.3.3)."""
-        out = {"app": app, "kind": "answers", "collection": None, "questions": [], "model_s": 0.0}
-        if not self.scheduler.populate(self.rag.config.tau_query).decode:
+    def _convert(self, app: str, now: float) -> dict:
+        """Cross-layer conversion (PerCache §4.3.3), up to `stride` questions of each kind: decode stored
+        questions without an answer (refreshed ones, and predicted ones prefilled only) when the cache
+        scheduler says decoding pays; and once the K/V tree's cap has grown, prefill again the stored
+        questions whose nodes were evicted (their answers stay; `prefilled` lists them)."""
+        out = {"app": app, "kind": "answers", "collection": None, "questions": [], "prefilled": [], "model_s": 0.0}
+        decode = self.scheduler.populate(self.rag.config.tau_query).decode
+        with self._lock:
+            again = self._reprefill_due(app)[:self.idle.policy.stride]
+        if not decode and not again:
             return out
         t0 = time.perf_counter()
         try:
-            for e in self.rag.unanswered(app)[:self.idle.policy.stride]:
+            for e in self.rag.unanswered(app)[:self.idle.policy.stride] if decode else []:
                 self.rag.query(app, e.collection, e.question, adapter=e.adapter, predicted=e.predicted,
                                background=True, replaces=e.id)
                 out["questions"].append(e.question)
+            for entry_id in again:
+                try:
+                    e = self.store.qa_entry(app, entry_id)
+                except QAEntryNotFoundError:  # evicted or deleted since
+                    e = None
+                if e is not None:  # decode=False: the tree only, no QA entry is written
+                    self.rag.query(app, e.collection, e.question, adapter=e.adapter, decode=False, background=True)
+                    out["prefilled"].append(e.question)
+                with self._lock:
+                    self._app(app)["reprefill"].remove(entry_id)
         except PreemptedError:
             out["preempted"] = True
         out["model_s"] = time.perf_counter() - t0
-        if out["questions"] or out.get("preempted"):
+        if out["questions"] or out["prefilled"] or out.get("preempted"):
             with self._lock:
                 self.idle.spend(app, out["model_s"], now)
                 self._save(app)
         return out
+
+    def _reprefill_due(self, app: str) -> list[int]:
+        """QA entries of `app` whose K/V to prefill again: those with evicted nodes when the tree's cap
+        has grown since the app's last look (`CacheScheduler.convert`), most hit first, kept (and
+        saved) until done. The first look only notes the cap."""
+        known = self._app(app)
+        cap, seen = self.rag.config.tree_cap_bytes, known.get("tree_cap")
+        todo = known.setdefault("reprefill", [])
+        if seen is not None and cap > seen:
+            tau = self.rag.config.tau_query
+            due = self.scheduler.convert(tau, tau, [], self.rag.evicted(app), storage_grew=True)
+            todo[:] = list(dict.fromkeys(todo + [int(c.entry_id) for c in due]))
+        if seen != cap:
+            known["tree_cap"] = cap
+            self._save(app)
+        return list(todo)
 
     def _round(self, app: str, work: PredictRound, now: float) -> dict:
         known = self._app(app)

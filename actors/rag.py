@@ -1,5 +1,5 @@
 """The RAG cache's moving parts (PerCache §4.1): node K/V to and from chunk records, and the executor's
-side of a RAG call. Ray-free; the executor (one process or its actor) runs `run_rag_call`.
+side of a RAG call. Ray-free; the executor (one process or its actor) runs `stream_rag_call`.
 
 A node of the K/V tree is the K/V of one passage computed after the prefix its retrieval path gives
 (`scheduler.ragtree`); the prompt's fixed head is the node of the empty path. A node is stored through
@@ -15,11 +15,11 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from actors.messages import KVKey, NodeSpan, PreemptedError, RagCall, RagOutcome
+from actors.messages import KVKey, NodeSpan, PreemptedError, RagCall, RagOutcome, check_deadline
 from storage import codecs
 
 RECORD_TOKENS = 16
@@ -67,16 +67,26 @@ def load_node(io, node: NodeSpan, adapter: str) -> np.ndarray | None:
 
 def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
                  should_stop: Callable[[], bool] | None = None) -> RagOutcome:
+    """`stream_rag_call` run to its end: its outcome."""
+    *_, outcome = stream_rag_call(engine, io, call, adapter, cache, should_stop)
+    return outcome
+
+
+def stream_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
+                    should_stop: Callable[[], bool] | None = None) -> Iterator[str | RagOutcome]:
     """The executor's side of a RAG call on `engine` (`engine.context.ContextEngine`): read the cached
     nodes into the first slots of a throwaway working set (stopping at the first that fails), prefill
-    the rest, decode, then write the new nodes (and those that failed). `adapter`: the loaded LoRA
-    adapter named by `call.adapter` (`engine.lora.Adapter`), None for the base model. `cache`: the
-    working set to compute in (the executor's), a new one when None. `should_stop`: asked before each
-    node read, each layer of the prefill and each token of the reply; True stops the call with
-    `PreemptedError` (nothing is written)."""
+    the rest, decode, then write the new nodes (and those that failed). Yields the reply's text deltas
+    as they are decoded, then the `RagOutcome` as the last item. `adapter`: the loaded LoRA adapter
+    named by `call.adapter` (`engine.lora.Adapter`), None for the base model. `cache`: the working set
+    to compute in (the executor's), a new one when None. `should_stop`: asked before each node read,
+    each layer of the prefill and each token of the reply; True stops the call with `PreemptedError`.
+    Past `call.deadline` it stops with `CallTimeoutError`. Stopped, or closed by its consumer, the
+    call writes nothing."""
     def check() -> None:
         if should_stop is not None and should_stop():
             raise PreemptedError("low-priority work gave the executor up to a real call")
+        check_deadline(call.deadline, "the RAG call ran past its deadline")
 
     from engine.rag import put_span, span_kv
     from engine.sampling import SamplingParams
@@ -94,11 +104,14 @@ def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
         loaded.append(node.key)
     redo = call.load[len(loaded):]
     t1 = time.perf_counter()
-    stream = engine.generate(ctx, sp, progress=should_stop is not None)  # progress: an event per layer
+    # progress: an event per layer, so that `check` runs between layers of a long prefill
+    stream = engine.generate(ctx, sp, progress=should_stop is not None or call.deadline is not None)
     items = iter(stream)
     try:
-        for _ in items:
+        for item in items:
             check()
+            if call.decode and isinstance(item, str):
+                yield item
     finally:
         items.close()  # stopped midway: the forward pass undoes its rows now
     res = stream.result
@@ -106,7 +119,7 @@ def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
     saved = {node.key: save_node(io, node, span_kv(ctx.cache, node.start, node.end), call.adapter)
              for node in [*redo, *call.save]}
     t3 = time.perf_counter()
-    return RagOutcome(
+    yield RagOutcome(
         text=res.text if call.decode else "",
         token_ids=res.token_ids if call.decode else [],
         finish_reason=res.finish_reason if call.decode else "",

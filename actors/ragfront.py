@@ -16,14 +16,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from actors.config import RagConfig
 from actors.messages import KVKey, NodeSpan, RagCall, RagOutcome
 from actors.rag import node_key
-from scheduler.ragcache import QAEntry, match_query, plan_qa_eviction, refresh_candidates
+from scheduler.ragcache import QAEntry, match_query, missing_kv, plan_qa_eviction, refresh_candidates
 from scheduler.ragtree import KVTree, plan_tree_eviction
 from storage.ragstore import QAEntryNotFoundError
 
@@ -63,12 +63,15 @@ class RagAnswer:
 class RagCache:
     def __init__(self, bank, store, embed: Callable[[list[str]], np.ndarray], template, run: Callable[[RagCall], RagOutcome],
                  delete_node: Callable[[str], Any], model_key: KVKey, config: RagConfig | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 run_stream: Callable[[RagCall], Iterator[Any]] | None = None) -> None:
         """`bank`: `storage.knowledge.KnowledgeBank`; `store`: `storage.ragstore.RagStore`; `embed`: the
         embedding model's (`engine.embed.Embedder.embed`); `template`: `engine.rag.RagTemplate`;
-        `model_key`: the model part of the KV key (the app and adapter are added per query)."""
+        `model_key`: the model part of the KV key (the app and adapter are added per query); `run`:
+        the executor port's `rag_call`; `run_stream`: its `rag_stream` with the items resolved (text
+        deltas, then the `RagOutcome`), for `query_stream` (None: `run`, the reply as one delta)."""
         self.bank, self.store, self.embed, self.template = bank, store, embed, template
-        self.run, self.delete_node = run, delete_node
+        self.run, self.run_stream, self.delete_node = run, run_stream, delete_node
         self.model_key = model_key
         self.config = config or RagConfig()
         self.clock = clock
@@ -90,14 +93,26 @@ class RagCache:
         return replace(self.model_key, adapter=adapter, app=app)
 
     # ---- a query -------------------------------------------------------------------------------------
-    def query(self, app: str, collection: str, question: str, *, k: int | None = None, tau_query: float | None = None,
-              adapter: str = "", decode: bool = True, predicted: bool = False, background: bool = False,
-              replaces: int | None = None, **params) -> RagAnswer:
-        """Answer `question` over `collection` (an id of `app`'s); `params`: sampling (`max_tokens`,
-        `temperature`, ...). `decode=False` populates the K/V tree only (a predicted query, PerCache
-        §4.3.2); `predicted` marks what it stores as the predictor's; `background` runs the model at
-        low priority (`RagCall.background`: `PreemptedError` when a real call comes); `replaces`: the
-        QA entry of the same question that this answer replaces (its answer was stale)."""
+    def query(self, app: str, collection: str, question: str, **kwargs) -> RagAnswer:
+        """Answer `question` over `collection` (an id of `app`'s); the arguments as `query_stream`'s.
+        The model's call is the executor port's `rag_call` (retried while the executor restarts)."""
+        *_, answer = self._query(app, collection, question, streamed=False, **kwargs)
+        return answer
+
+    def query_stream(self, app: str, collection: str, question: str, **kwargs) -> Iterator[str | RagAnswer]:
+        """`query` as the reply is decoded: its text deltas (a QA bank answer as one), then the
+        `RagAnswer` as the last item. Closed early, the model's call stops and nothing is stored."""
+        return self._query(app, collection, question, streamed=True, **kwargs)
+
+    def _query(self, app: str, collection: str, question: str, *, streamed: bool, k: int | None = None,
+               tau_query: float | None = None, adapter: str = "", decode: bool = True, predicted: bool = False,
+               background: bool = False, replaces: int | None = None, deadline: float | None = None,
+               **params) -> Iterator[str | RagAnswer]:
+        """`params`: sampling (`max_tokens`, `temperature`, ...). `decode=False` populates the K/V tree
+        only (a predicted query, PerCache §4.3.2); `predicted` marks what it stores as the predictor's;
+        `background` runs the model at low priority (`RagCall.background`: `PreemptedError` when a real
+        call comes); `replaces`: the QA entry of the same question that this answer replaces (its answer
+        was stale); `deadline`: `time.time()` past which the model's call stops (`RagCall.deadline`)."""
         cfg = self.config
         k = cfg.k if k is None else k
         tau = cfg.tau_query if tau_query is None else tau_query
@@ -109,7 +124,10 @@ class RagCache:
         if cfg.qa_bank and decode and not predicted:
             hit = self._qa_hit(app, collection, adapter, q, tau, lat)
             if hit is not None:
-                return hit
+                if hit.answer:
+                    yield hit.answer
+                yield hit
+                return
         t = time.perf_counter()
         hits = self.bank.search(app, collection, question, k, vector=q)
         lat["retrieve"] = time.perf_counter() - t
@@ -117,8 +135,9 @@ class RagCache:
         prompt = self.template.build([list(h.token_ids) for h in hits], question)
         with self._tree_lock:  # not held while the model runs: a real query never waits for idle work's
             call, matched = self._plan(app, adapter, path, prompt, decode, params)
-            call.background = background
-        out = self.run(call)  # a node evicted meanwhile fails to read and is recomputed (`run_rag_call`)
+            call.background, call.deadline = background, deadline
+        # a node evicted meanwhile fails to read and is recomputed (`actors.rag.stream_rag_call`)
+        out = (yield from self._streamed(call)) if streamed else self.run(call)
         reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
         with self._tree_lock:
             self._update_tree(app, adapter, path, prompt, out, matched[:reused_nodes])
@@ -129,12 +148,31 @@ class RagCache:
             self._remember(app, collection, adapter, question, q, out.text if decode else None, path, predicted)
             if replaces is not None:
                 self.store.delete_qa(app, [replaces])
-        return RagAnswer(
+        yield RagAnswer(
             answer=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
             level="kv_tree" if reused_nodes else "miss",
             sources=[{"document": h.document, "chunk": int(h.chunk), "score": float(h.score)} for h in hits],
             reused_chunks=reused_nodes, reused_tokens=reused_tokens, retrieved_tokens=passage_tokens,
             prompt_tokens=len(prompt.ids), latency=lat)
+
+    def _streamed(self, call: RagCall):
+        """The model's call through `run_stream`: yields its text deltas, returns its `RagOutcome`."""
+        if self.run_stream is None:
+            out = self.run(call)
+            if out.text:
+                yield out.text
+            return out
+        items = self.run_stream(call)
+        try:
+            for item in items:
+                if not isinstance(item, str):
+                    return item
+                yield item
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:  # stopped early (the client went away): the call stops too
+                close()
+        raise RuntimeError("the executor's RAG stream ended without an outcome")
 
     def _qa_hit(self, app, collection, adapter, q, tau, lat) -> RagAnswer | None:
         ids, vecs = self.store.qa_vectors(app, collection, adapter)
@@ -242,6 +280,18 @@ class RagCache:
         rows = [e for c in self.bank.collections(app) for adapter in {"", *self.store.trees(app)}
                 for e in self.store.qa_entries(app, c.id, adapter) if e.answer is None]
         return sorted(rows, key=lambda e: (-e.hits, e.id))
+
+    def evicted(self, app: str) -> list[QAEntry]:
+        """The app's stored questions whose retrieval path is no longer wholly in its K/V tree (nodes
+        evicted under the cap), as the cache scheduler sees them (`scheduler.ragcache.missing_kv`)."""
+        out = []
+        with self._tree_lock:
+            for adapter in {"", *self.store.trees(app)}:
+                tree = self.tree(app, adapter)
+                rows = [e for c in self.bank.collections(app) for e in self.store.qa_entries(app, c.id, adapter)]
+                out += missing_kv([QAEntry(e.id, e.nbytes, e.hits, e.last_use, e.answer is not None, tuple(e.chunks))
+                                   for e in rows], tree)
+        return out
 
 
     def chunks_deleted(self, app: str, chunk_ids) -> None:

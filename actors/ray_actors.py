@@ -330,7 +330,7 @@ class PredictorActor(QueryPredictor, Health):
     def __init__(self, config: ServiceConfig, model_dir: str, key, executor_handle, io_handle) -> None:
         import torch
 
-        from actors.ray_stubs import ExecutorStub
+        from actors.ray_stubs import ExecutorStub, resolved_items
         from engine.chat import ChatTokenizer
 
         from actors.metrics import Metrics, init_predictor_series
@@ -338,7 +338,7 @@ class PredictorActor(QueryPredictor, Health):
         torch.set_num_threads(1)
         private_files()
         super().__init__(config.data_dir, ChatTokenizer(model_dir), ExecutorStub(executor_handle),
-                         SwapIOStub(io_handle).delete_context, key, config.rag)
+                         SwapIOStub(io_handle).delete_context, key, config.rag, resolve_stream=resolved_items)
         self.metrics = m = Metrics()
         m.start("predictor", config.data_dir)
         restarted("predictor", config.data_dir, m)
@@ -355,6 +355,18 @@ class PredictorActor(QueryPredictor, Health):
 
     def query(self, app: str, collection: str, question: str, params: dict):
         a = super().query(app, collection, question, params)
+        self._observe_answer(a)
+        return a
+
+    def query_stream(self, app: str, collection: str, question: str, params: dict):
+        """Streaming generator: text deltas, then the `RagAnswer`."""
+        with contextlib.closing(super().query_stream(app, collection, question, params)) as items:
+            for item in items:
+                if not isinstance(item, str):
+                    self._observe_answer(item)
+                yield item
+
+    def _observe_answer(self, a) -> None:
         m = self.metrics
         m.rag_queries.labels(a.level).inc()
         m.qa_hits.inc(a.level == "qa_bank")
@@ -362,7 +374,6 @@ class PredictorActor(QueryPredictor, Health):
         m.tree_tokens.inc(a.reused_tokens)
         m.retrieved_tokens.inc(a.retrieved_tokens)
         self._count_bytes()
-        return a
 
     def _count_bytes(self) -> None:
         for level, n in self.store.total_bytes().items():
@@ -500,12 +511,23 @@ class ExecutorActor(Health):
     def rag_call(self, call):
         """`ModelExecutor.rag_call` (a RAG prompt from cached K/V nodes), with the call metrics."""
         out = self.ex.rag_call(call)
+        self._observe_rag(call, out)
+        return out
+
+    def rag_stream(self, call):
+        """Streaming generator: `ModelExecutor.rag_stream`'s text deltas, then the `RagOutcome`."""
+        with contextlib.closing(self.ex.rag_stream(call)) as items:  # closed early: the call stops now
+            for item in items:
+                if not isinstance(item, str):
+                    self._observe_rag(call, item)
+                yield item
+
+    def _observe_rag(self, call, out) -> None:
         if call.decode and not call.background:
             m, p = self.metrics, self.policy
             m.ttft.labels(p).observe(out.load_s + out.prefill_s)
             m.tokens.labels(p).inc(len(out.token_ids))
             m.decode_seconds.labels(p).inc(out.decode_s)
-        return out
 
     @ray.method(concurrency_group="background")
     def rag_background(self, call):

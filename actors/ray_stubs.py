@@ -11,8 +11,9 @@ What this module deliberately does not know: what the actors do with the calls.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import ray
@@ -40,6 +41,23 @@ def resolve_call_item(ref):
         raise CallInterruptedError(
             "the model executor stopped during the call and is being restarted; the turn was recorded "
             "only if its reply had finished (see the context's history before retrying)") from e
+
+
+def resolved_items(gen) -> Iterator[Any]:
+    """The items of an actor's streaming generator of text deltas and a last outcome, fetched in order
+    (`resolve_call_item`). Closed before the outcome (its consumer stopped), it cancels the actor's
+    call, whose generator then stops at its next item."""
+    finished = False
+    try:
+        for ref in gen:
+            item = resolve_call_item(ref)
+            finished = not isinstance(item, str)
+            yield item
+        finished = True
+    finally:
+        if not finished:
+            with contextlib.suppress(Exception):
+                ray.cancel(gen, recursive=False)
 
 
 class ResidentRefs:
@@ -321,6 +339,9 @@ class ExecutorStub:
     def rag_call(self, call: RagCall) -> RagOutcome:
         return retry.call(self.handle.rag_background if call.background else self.handle.rag_call, call)
 
+    def rag_stream(self, call: RagCall):
+        return self.handle.rag_stream.remote(call)
+
     def activity(self) -> tuple[float, int]:
         return retry.call(self.handle.activity)
 
@@ -360,6 +381,9 @@ class PredictorStub:
 
     def query(self, app: str, collection: str, question: str, params: dict):
         return retry.call(self.handle.query, app, collection, question, params)
+
+    def query_stream(self, app: str, collection: str, question: str, params: dict):
+        return self.handle.query_stream.remote(app, collection, question, params)
 
     def embed(self, texts: list[str]):
         return retry.call(self.handle.embed, texts)

@@ -257,11 +257,17 @@ def cmd_rag(args) -> int:
         return 0
     if not args.items:
         raise SystemExit("llmaas: error: `rag ask` needs a question")
-    r = client.ask(col, " ".join(args.items), max_tokens=args.max_tokens, **({"k": args.k} if args.k else {}))
+    params = dict(max_tokens=args.max_tokens, **({"k": args.k} if args.k else {}))
     if args.json:
-        print(json.dumps(r, indent=1))
+        print(json.dumps(client.ask(col, " ".join(args.items), **params), indent=1))
         return 0
-    print(r["answer"])
+    stream = client.ask_stream(col, " ".join(args.items), **params)
+    for delta in stream:
+        print(delta, end="", flush=True)
+    print()
+    r = stream.result
+    if r is None:
+        raise SystemExit("llmaas: error: the server's answer ended before it was complete")
     c = r["cache"]
     print(f"llmaas: {c['level']}, {c['chunks_reused']} passages and {c['tokens_reused']} tokens reused, "
           f"{sum(r['latency'].values()) * 1000:.0f} ms", file=sys.stderr)

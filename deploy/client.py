@@ -35,11 +35,13 @@ class Reply:
 
 
 class CallStream:
-    """Iterates over text deltas; `result` (a `Reply`) is set when the reply is complete."""
+    """Iterates over text deltas; `result` is set when the reply is complete: a `Reply` for a context's
+    call, the reply's fields (a dict, as `Client.ask` returns them) for a RAG query."""
 
-    def __init__(self, lines: Iterator[bytes], close) -> None:
+    def __init__(self, lines: Iterator[bytes], close, parse=None) -> None:
         self._lines, self._close = lines, close
-        self.result: Reply | None = None
+        self._parse = parse or _reply
+        self.result: Reply | dict | None = None
 
     def __iter__(self) -> Iterator[str]:
         try:
@@ -48,7 +50,7 @@ class CallStream:
                     e = ev["error"]
                     raise ServiceError(0, e.get("code", "internal"), e.get("message", ""))
                 if ev.get("done"):
-                    self.result = _reply(ev)
+                    self.result = self._parse(ev)
                 elif "delta" in ev:
                     yield ev["delta"]
         finally:
@@ -169,6 +171,12 @@ class Client:
     def ask(self, collection: str, query: str, **params) -> dict:
         """A question over a collection: `answer`, `sources`, `cache` (the level that served it), `latency`."""
         return self._req("POST", f"/v1/rag/collections/{collection}/query", json={"query": query, **params}).json()
+
+    def ask_stream(self, collection: str, query: str, **params) -> CallStream:
+        """`ask` as the answer is decoded: iterate for its text deltas; `result` then holds `ask`'s fields."""
+        r = self._req("POST", f"/v1/rag/collections/{collection}/query",
+                      json={"query": query, "stream": True, **params}, stream=True)
+        return CallStream(r.iter_lines(), r.close, parse=lambda ev: {k: v for k, v in ev.items() if k != "done"})
 
     # ---- more ---------------------------------------------------------------------------------------
     def contexts(self) -> list[dict]:

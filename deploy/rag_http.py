@@ -1,7 +1,7 @@
 """The RAG routes of the HTTP API (docs/design.md §6): collections of an app's documents, questions over
 them answered through the query predictor's RAG cache (PerCache), and OpenAI-style embeddings. A mixin
-of `deploy.serve_app.Ingress`, which provides `_app`, `_do`, `_timeout`, `limiter` and the predictor's
-actor handle (`predictor`).
+of `deploy.serve_app.Ingress`, which provides `_app`, `_do`, `_timeout`, `_events`, `_first` and the
+predictor's actor handle (`predictor`).
 
 (No `from __future__ import annotations` here, as in `deploy.serve_app`: FastAPI must see the route
 annotations as real types.)
@@ -10,20 +10,19 @@ annotations as real types.)
 import re
 import time
 import uuid
-from dataclasses import asdict
 
 from fastapi import Request
 
 from deploy.api_docs import ACTORS, APP, BODY, CALL_HEADERS, WRITES, responses
 from deploy.api_models import APIError, CollectionBody, DocumentBody, EmbeddingsBody, RagQueryBody
-from deploy.http_parts import api, sse_response
+from deploy.http_parts import api, outcome, sse_response
 
 _ID = re.compile(r"[0-9a-f]{32}")
 COLLECTION = ("collection_not_found",)
 """Routes on a collection id: unknown, malformed, or another app's (404)."""
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
-SSE_RAG = ('Server-Sent Events with `"stream": true`: `data: {"delta": TEXT}` (the answer, in one event: the reply '
-           'is not yet streamed token by token), then `data: {"done": true, ...}` with the fields of the JSON '
+SSE_RAG = ('Server-Sent Events with `"stream": true`: `data: {"delta": TEXT}` as the answer is decoded (an answer '
+           'from the QA bank in one event), then `data: {"done": true, ...}` with the fields of the JSON '
            'reply, then `data: [DONE]`.')
 TIMEOUT_HEADER = {"parameters": [p for p in CALL_HEADERS["parameters"] if p["name"] == "X-Request-Timeout"]}
 
@@ -102,24 +101,15 @@ class RagRoutes:
         """Answer a question over the collection: from the QA bank when a stored question is at least
         `tau_query` similar, else from its retrieved passages, reusing their cached K/V where the
         retrieval path allows. `cache` says which level served it. With `"stream": true` the reply
-        comes as Server-Sent Events (the answer as one delta, then the done event)."""
+        comes as Server-Sent Events, the answer's text as it is decoded, then the done event."""
         app = await self._app(request)
         col = _check(collection, "collection_not_found")
-        timeout = self._timeout(request)
-        await self.limiter.acquire(timeout)
-        try:
-            answer = await self._do(self.predictor.query, app, col, body.query, body.params())
-        finally:
-            self.limiter.release()
-        reply = rag_reply(asdict(answer))
+        events = self._events(self._timeout(request), self.predictor.query_stream, app, col, body.query,
+                              params=body.params())
+        head, events = await self._first(events)
         if body.stream:
-            async def none():
-                return
-                yield
-
-            return sse_response([reply["answer"], reply], none(), lambda d: {"delta": d},
-                                lambda r: {"done": True, **r})
-        return reply
+            return sse_response(head, events, lambda d: {"delta": d}, lambda a: {"done": True, **rag_reply(a)})
+        return rag_reply(await outcome(head, events))
 
     async def rag_chat(self, app: str, body, params: dict, request: Request):
         """`/v1/chat/completions` with `rag: {collection, k, tau_query}`: the last user message is the
@@ -133,28 +123,27 @@ class RagRoutes:
         col = _check(body.rag.collection, "collection_not_found")
         extra = {k: v for k, v in (("k", body.rag.k), ("tau_query", body.rag.tau_query)) if v is not None}
         sampling = {k: params[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
-        timeout = self._timeout(request)
-        await self.limiter.acquire(timeout)
-        try:
-            answer = await self._do(self.predictor.query, app, col, body.messages[-1].content, {**sampling, **extra})
-        finally:
-            self.limiter.release()
-        r = rag_reply(asdict(answer))
+        events = self._events(self._timeout(request), self.predictor.query_stream, app, col, body.messages[-1].content,
+                              params={**sampling, **extra})
+        head, events = await self._first(events)
         base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": body.model or self.model_id}
-        more = {"rag": {"cache": r["cache"], "sources": r["sources"], "latency": r["latency"]}}
+
+        def more(r: dict) -> dict:
+            return {"rag": {"cache": r["cache"], "sources": r["sources"], "latency": r["latency"]}}
+
         if body.stream:
             def chunk(delta: dict, finish=None, **rest) -> dict:
                 return {**base, "object": "chat.completion.chunk",
                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **rest}
 
-            async def none():
-                return
-                yield
+            def done(a: dict) -> dict:
+                r = rag_reply(a)
+                return chunk({}, r["finish_reason"], usage=r["usage"], **more(r))
 
-            return sse_response([r["answer"], r], none(), lambda d: chunk({"content": d}),
-                                lambda o: chunk({}, o["finish_reason"], usage=o["usage"], **more),
+            return sse_response(head, events, lambda d: chunk({"content": d}), done,
                                 first=chunk({"role": "assistant", "content": ""}))
-        return {**base, "object": "chat.completion", "usage": r["usage"], **more,
+        r = rag_reply(await outcome(head, events))
+        return {**base, "object": "chat.completion", "usage": r["usage"], **more(r),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": r["answer"]},
                              "finish_reason": r["finish_reason"]}]}
 

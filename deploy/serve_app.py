@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors import retry
 from actors.config import RagConfig, ServiceConfig, prepare_data_dir, tuning_from
 from actors.messages import CallOutcome
+from actors.ragfront import RagAnswer
 import deploy.settings as settings
 from deploy.settings import ServerConfig, admin_token
 from deploy.api_docs import ACTORS, APP, BODY, CALL, CALL_HEADERS, CONTEXT, SSE_CALL, SSE_CHAT, WRITES, responses
@@ -271,8 +272,9 @@ class Ingress(RagRoutes):
         return t
 
     async def _events(self, timeout_s: float, method, *args, params: dict) -> AsyncIterator[str | dict]:
-        """Text deltas of one call (the executor's `stream` or `stream_stateless`, with `args` and
-        `params` and a deadline), then its outcome (a dict). Holds a limiter slot throughout. Closed
+        """Text deltas of one call (the executor's `stream` or `stream_stateless`, or the predictor's
+        `query_stream`, with `args` and `params` and a deadline), then its outcome (`CallOutcome` or
+        `RagAnswer`, as a dict). Holds a limiter slot throughout. Closed
         before the outcome (the client went away: Serve cancels the request, whose cancellation
         reaches the executor's call too, or the event stream is abandoned), it cancels the executor's
         call itself, which stops at its next token and rolls the turn back."""
@@ -284,7 +286,7 @@ class Ingress(RagRoutes):
             try:
                 async for ref in gen:
                     item = await ref
-                    finished = isinstance(item, CallOutcome)
+                    finished = isinstance(item, (CallOutcome, RagAnswer))
                     yield asdict(item) if finished else item
             except Exception as e:  # noqa: BLE001
                 finished = True  # the call failed and is over

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.executor import CallTimeoutError, ModelExecutor
-from actors.messages import CallPlan, CommitReply, RestoreStats
+from actors.executor import ModelExecutor
+from actors.messages import CallPlan, CallTimeoutError, CommitReply, RestoreStats
 from engine.config import EngineConfig, ModelConfig
 from engine.context import CallResult
 from engine.kvcache import KVCache

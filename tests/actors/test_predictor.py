@@ -5,6 +5,7 @@ across a restart, and the priority lock on its own."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -95,6 +96,35 @@ def test_idle_time_decodes_the_answers_a_new_document_made_stale(tmp_path, engin
     (entry,) = p.store.qa_entries("app", col, "")
     assert entry.answer and not entry.predicted
     assert p.tick(clock.t + 200) == []
+
+
+def test_once_the_tree_cap_grows_idle_time_prefills_the_evicted_paths_again(tmp_path, engine, embedder):
+    clock = Clock()
+    no_rounds = IdlePolicy(idle_after_s=30, abstract_quiet_s=1e9, stride=2)
+    p, ex = predictor(tmp_path, engine, embedder, clock, idle=no_rounds)
+    col = p.create_collection("app", "facts")
+    for d in DOCS:
+        p.add_document("app", col, d)
+    fuji = p.query("app", col, "How tall is Mount Fuji?", {"max_tokens": 6})
+    tree = p.rag.tree("app")
+    path_bytes = sum(n.nbytes for n in tree)  # the head is not a node of the tree
+    p.rag.config = replace(p.rag.config, tree_cap_bytes=p.rag._heads[("app", "")] + path_bytes)
+    assert p.tick(clock.t + 100) == []  # the first look only notes the cap
+    nile = p.query("app", col, "Where does the Nile flow into the sea?", {"max_tokens": 6})
+    assert [s["chunk"] for s in nile.sources] == [s["chunk"] for s in fuji.sources][::-1]  # another path
+    (evicted,) = p.rag.evicted("app")  # the Fuji path's nodes made room for the Nile path's
+    assert p.tick(clock.t + 200) == [] and p.rag.evicted("app") == [evicted]  # the cap did not grow
+    p.close()
+    q, ex = predictor(tmp_path, engine, embedder, clock, idle=no_rounds)  # a restart with the default cap (larger)
+    before = {e.id: e.answer for e in q.store.qa_entries("app", col, "")}
+    (done,) = q.tick(clock.t + 300)
+    assert done["prefilled"] == ["How tall is Mount Fuji?"] and done["questions"] == []
+    assert [(c.decode, c.background) for c in ex.calls] == [(False, True)]
+    assert q.rag.evicted("app") == [] and {e.id: e.answer for e in q.store.qa_entries("app", col, "")} == before
+    assert q.tick(clock.t + 400) == [] and q.known["app"]["reprefill"] == []
+    hit = q.query("app", col, "How tall is Mount Fuji?", {"max_tokens": 6, "tau_query": 1.01})
+    assert hit.level == "kv_tree" and hit.reused_tokens == hit.retrieved_tokens and hit.token_ids == fuji.token_ids
+    q.close()
 
 
 def test_a_real_call_takes_the_executor_back_and_the_round_stays_pending(tmp_path, engine, embedder):

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from actors.messages import KVKey
-from actors.rag import node_key, run_rag_call
+from actors.messages import CallTimeoutError, KVKey
+from actors.rag import node_key, run_rag_call, stream_rag_call
 from actors.ragfront import RagCache, RagConfig
 from actors.swapio import KVSwapIO
 from engine.rag import RagTemplate
@@ -45,8 +45,12 @@ class Parts:
             self.calls.append(call)
             return run_rag_call(engine, self.io, call)
 
+        def run_stream(call):
+            self.calls.append(call)
+            return stream_rag_call(engine, self.io, call)
+
         self.cache = RagCache(self.bank, self.store, embedder.embed, RagTemplate(engine.tok), run,
-                              self.io.delete_context, self.io.key, RagConfig(k=3, **cfg))
+                              self.io.delete_context, self.io.key, RagConfig(k=3, **cfg), run_stream=run_stream)
 
     def add(self, app):
         col = self.bank.create_collection(app, "facts")
@@ -96,6 +100,27 @@ def test_the_qa_bank_answers_a_similar_question_at_once_and_not_a_different_one(
     empty = p.bank.create_collection("app", "empty")  # nothing to retrieve: the question alone
     nothing = p.cache.query("app", empty, "How tall is Mount Fuji?", max_tokens=4)
     assert nothing.level == "miss" and nothing.sources == [] and nothing.retrieved_tokens == 0
+
+
+def test_a_streamed_answer_comes_token_by_token_and_a_stream_closed_early_stores_nothing(tmp_path, engine, embedder):
+    p = Parts(tmp_path, engine, embedder, tau_query=0.9)
+    col, _ = p.add("app")
+    q = QUESTIONS[0]
+    stream = p.cache.query_stream("app", col, q, max_tokens=12)
+    assert isinstance(next(stream), str)
+    stream.close()  # the client went away after the first delta: the model's call stopped
+    assert len(p.cache.tree("app")) == 0 and len(p.store.qa_vectors("app", col, "")[0]) == 0
+    assert p.io.usage_bytes() == 0  # not even the head's records
+    *deltas, answer = p.cache.query_stream("app", col, q, max_tokens=12)
+    assert answer.level == "miss" and len(deltas) > 1 and "".join(deltas) == answer.answer
+    exact = p.cache.query("app", col, q, max_tokens=12, tau_query=1.01)  # not streamed, from the cached nodes
+    assert exact.level == "kv_tree" and exact.token_ids == answer.token_ids
+    *deltas, hit = p.cache.query_stream("app", col, q, max_tokens=12)
+    assert hit.level == "qa_bank" and deltas == [answer.answer]  # a stored answer comes in one piece
+    n_calls, n_nodes = len(p.calls), len(p.cache.tree("app"))
+    with pytest.raises(CallTimeoutError):  # past its deadline the call stops before its first node
+        list(p.cache.query_stream("app", col, QUESTIONS[2], max_tokens=12, deadline=0.0))
+    assert len(p.calls) == n_calls + 1 and len(p.cache.tree("app")) == n_nodes
 
 
 def test_apps_share_no_nodes_and_no_answers(tmp_path, engine, embedder):

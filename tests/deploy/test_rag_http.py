@@ -78,11 +78,20 @@ def test_documents_are_added_asked_about_and_deleted(server, tokens):
         assert exact["cache"]["level"] == "kv_tree" and exact["answer"] == first["answer"]
         assert exact["cache"]["tokens_reused"] == exact["cache"]["retrieved_tokens"] > 0
 
-    r = requests.post(f"{url}/v1/rag/collections/{col}/query", json={**ask, "stream": True}, headers=_h(a), stream=True)
-    events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    done = json.loads(events[-2])
-    assert done["done"] is True and "".join(json.loads(e)["delta"] for e in events[:-2]) == done["answer"]
+    def streamed(body: dict) -> tuple[list[str], dict]:
+        r = requests.post(f"{url}/v1/rag/collections/{col}/query", json={**body, "stream": True}, headers=_h(a),
+                          stream=True)
+        events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+        assert r.headers["content-type"].startswith("text/event-stream") and events[-1] == "[DONE]"
+        done = json.loads(events[-2])
+        assert done["done"] is True
+        return [json.loads(e)["delta"] for e in events[:-2]], done
+
+    deltas, done = streamed(ask)  # from the QA bank: the stored answer in one piece
+    assert done["cache"]["level"] == "qa_bank" and deltas == [first["answer"]]
+    # a question not asked before is decoded: token by token, from the executor through the predictor
+    deltas, done = streamed({**ask, "query": "When did Mount Fuji last erupt?"})
+    assert done["cache"]["level"] != "qa_bank" and len(deltas) > 1 and "".join(deltas) == done["answer"]
 
     # the OpenAI route with this service's `rag` extension: the last user message is the question
     from openai import OpenAI
@@ -92,6 +101,12 @@ def test_documents_are_added_asked_about_and_deleted(server, tokens):
         extra_body={"rag": {"collection": col, "k": 2}})
     assert chat.choices[0].message.content == first["answer"]
     assert chat.model_extra["rag"]["cache"]["level"] == "qa_bank"
+    chunks = list(OpenAI(base_url=f"{url}/v1", api_key=a).chat.completions.create(
+        model="", messages=[{"role": "user", "content": "When did Mount Fuji last erupt?"}], max_tokens=12,
+        stream=True, extra_body={"rag": {"collection": col, "k": 2}}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == done["answer"]
+    assert chunks[-1].choices[0].finish_reason == done["finish_reason"]
+    assert chunks[-1].model_extra["rag"]["cache"]["level"] == "qa_bank"  # the streamed answer was stored
     r = requests.post(f"{url}/v1/chat/completions", headers=_h(a), json={
         "messages": [{"role": "user", "content": "hi"}], "context_id": "0" * 32, "rag": {"collection": col}})
     assert _err(r) == (422, "invalid_request")
