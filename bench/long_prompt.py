@@ -24,6 +24,7 @@ by layer under a budget (engine/kvspill.py), and the longest prompt each fits in
   under `--accelerate-mib` of `max_memory` (one run per length): TTFT and the tensors its forward made.
 
     python -m bench.long_prompt [--lengths 1024 2048 4096 6000 8000] [--rows 512] [--rounds 3] [--stream-budget 32]
+                                [--modes plain partitions streamed streamed-inline swap]
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ import sys
 import time
 
 
+MODES = ("plain", "partitions", "streamed", "streamed-inline", "swap")
+"""What `--modes` chooses from: the three prefills, the streamed one with its writes in line, and the
+chunked-swap baseline."""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6000, 8000])
@@ -41,7 +47,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256], help="MiB (default 64 128 256)")
     ap.add_argument("--stream-budget", type=int, default=32, help="MiB for the streamed prefill (default 32)")
-    ap.add_argument("--decode-tokens", type=int, default=8)
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
+                    help=f"prefills to run: {', '.join(MODES)} (default all; at 16K-32K tokens each is minutes, "
+                         "so choose; decode is measured when streamed or streamed-inline runs)")
+    ap.add_argument("--decode-tokens", type=int, default=8, help="tokens per decode measurement (0: none)")
     ap.add_argument("--no-swap-baseline", dest="swap_baseline", action="store_false",
                     help="skip the chunked-swap baseline")
     ap.add_argument("--accelerate-mib", type=int, default=64,
@@ -93,12 +102,15 @@ def main(argv=None) -> int:
     if max(a.lengths) > min(len(ids), cfg.max_positions):
         ap.error(f"lengths up to {min(len(ids), cfg.max_positions)} tokens")
     streamed = f"streamed, {a.stream_budget} MiB"
-    modes = {"plain": 0, f"partitions of {a.rows}": a.rows, streamed: -1, streamed + ", writes in line": -2}
+    every = {"plain": ("plain", 0), "partitions": (f"partitions of {a.rows}", a.rows), "streamed": (streamed, -1),
+             "streamed-inline": (streamed + ", writes in line", -2)}
+    modes = {label: rows for key, (label, rows) in every.items() if key in a.modes}
     folder = tempfile.mkdtemp(prefix="long-prompt-", dir=".")  # on the disk: a tmpfs would hold it in memory
     prefix = os.path.abspath(folder)  # its files' mappings are what the streamed runs hold
     native_shape = prefill_shape(model, "float")
     plans = {n: plan_prefill(native_shape, n, 0, a.stream_budget << 20) for n in a.lengths}
     fits = [n for n in a.lengths if plans[n].kind != "refuse"]  # what the streamed runs can take
+    runs_streamed = fits if min(modes.values(), default=0) < 0 else []
 
     def new_cache(n: int, rows: int, hook=None):
         """A cache for `n` tokens and the partition rows: streamed (`rows` -1; -2 without the overlap of
@@ -155,7 +167,7 @@ def main(argv=None) -> int:
             est = max(e.peak for e in estimate_steps(shape, p, n - p)) + 4 * cfg.hidden_size * (n - p)
             peaks[(n, name)] = (max(s.peak for s in tracker.steps), est)
     model.engine_cfg.native_attention = True
-    for n in fits:  # the streamed run as it runs (compiled attention: its scratch is not a tensor)
+    for n in runs_streamed:  # the streamed run as it runs (compiled attention: its scratch is not a tensor)
         cache, rows, plan = new_cache(n, -1)
         model.engine_cfg.prefill_partition_rows = rows
         density = torch.zeros(n + 1)
@@ -180,26 +192,11 @@ def main(argv=None) -> int:
         mapped[n] = (most[0], most[1], plan, most[2], most[3])
 
     decode: dict[tuple[int, bool], float] = {}
-    dn = max(fits)
-    cache, rows, _plan = new_cache(dn, -1)
-    model.engine_cfg.prefill_partition_rows = rows
-    int(model.forward(cache, ids[:dn]).argmax())
-    cache.pager.settle()
-    for frac in (0, 25, 50, 100):
-        for cold in (True, False):
-            cache.truncate(dn)
-            cache.pager.set_resident(cfg.n_layers * frac // 100)
-            times = []
-            for i in range(a.decode_tokens):
-                if cold:
-                    cache.pager.file.drop_cache()
-                t = time.perf_counter()
-                int(model.forward(cache, [ids[(dn + i) % len(ids)]]).argmax())
-                times.append(time.perf_counter() - t)
-            cache.pager.settle()
-            decode[(frac, cold)] = statistics.median(times)
-    del cache
-    swapped = {n: chunked_swap_baseline(model, ids, n, a.rows, folder) for n in a.lengths if a.swap_baseline}
+    dn = max(runs_streamed, default=0)
+    if dn and a.decode_tokens > 0:
+        decode = decode_times(model, new_cache(dn, -1), ids, dn, a.decode_tokens)
+    swapped = {n: chunked_swap_baseline(model, ids, n, a.rows, folder) for n in a.lengths
+               if a.swap_baseline and "swap" in a.modes}
     offload = accelerate_baseline(ids, a.lengths, a.accelerate_mib, folder) if a.accelerate_mib else {}
 
     cmd = "python -m bench.long_prompt " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -220,7 +217,7 @@ def main(argv=None) -> int:
           "process's memory; with tracked: plus the tensors alive at that step):\n")
     print("| prompt, tokens | plan | most mapped, MiB | most mapped + tracked, MiB | estimate, MiB |\n"
           "|---:|---|---:|---:|---:|")
-    for n in fits:
+    for n in runs_streamed:
         most, both, plan, _tracked, _all = mapped[n]
         print(f"| {n} | {plan.describe().split(';')[0]} | {most / 2**20:.1f} | {both / 2**20:.1f} | "
               f"{plan.peak / 2**20:.1f} |")
@@ -231,21 +228,22 @@ def main(argv=None) -> int:
               f"{wp.peak_bytes / 2**20:.1f} MiB of weights mapped by the plan. Everything of the streamed runs "
               "(K/V and spilled rows mapped, weights mapped, tensors alive):\n")
         print("| prompt, tokens | most of everything, MiB |\n|---:|---:|")
-        for n in fits:
+        for n in runs_streamed:
             print(f"| {n} | {mapped[n][4] / 2**20:.1f} |")
     print()
     _print_longest(model, cfg, a.budgets, a.rows, native_shape, shape)
-    print(f"\nDecode over the streamed {dn}-token context, ms per token (median of {a.decode_tokens}):\n")
-    print("| layers resident | cold (page cache dropped) | warm |\n|---:|---:|---:|")
-    for frac in (0, 25, 50, 100):
-        print(f"| {frac}% | {decode[(frac, True)] * 1e3:.0f} | {decode[(frac, False)] * 1e3:.0f} |")
+    if decode:
+        print(f"\nDecode over the streamed {dn}-token context, ms per token (median of {a.decode_tokens}):\n")
+        print("| layers resident | cold (page cache dropped) | warm |\n|---:|---:|---:|")
+        for frac in (0, 25, 50, 100):
+            print(f"| {frac}% | {decode[(frac, True)] * 1e3:.0f} | {decode[(frac, False)] * 1e3:.0f} |")
     if swapped:
         print(f"\nBaseline: token-chunked prefill in chunks of {a.rows} tokens, each finished chunk's K/V written "
               "raw to the chunk store and dropped, all earlier K/V read back before the next chunk (one run "
               "each; its K/V in memory at the last chunk is the whole context's, as plain prefill's):\n")
         print("| prompt, tokens | TTFT, s | streamed TTFT ÷ this |\n|---:|---:|---:|")
         for n, took in swapped.items():
-            ratio = f"{statistics.median(ttft[(n, streamed)]) / took:.2f}x" if n in fits else "-"
+            ratio = f"{statistics.median(ttft[(n, streamed)]) / took:.2f}x" if (n, streamed) in ttft else "-"
             print(f"| {n} | {took:.2f} | {ratio} |")
     if offload:
         print(f"\nBaseline: transformers' model under accelerate (device_map auto, max_memory cpu "
@@ -259,6 +257,31 @@ def main(argv=None) -> int:
 
     shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def decode_times(model, made, ids: list[int], n: int, tokens: int) -> dict[tuple[int, bool], float]:
+    """Median seconds per token decoded over a streamed `n`-token context (`made`: the mapped cache
+    with its partition rows and plan), with 0, 25, 50 and 100% of the layers resident, cold (the
+    streamed layers' pages dropped from the page cache before every token) and warm."""
+    cache, rows, _plan = made
+    model.engine_cfg.prefill_partition_rows = rows
+    int(model.forward(cache, ids[:n]).argmax())
+    cache.pager.settle()
+    out = {}
+    for frac in (0, 25, 50, 100):
+        for cold in (True, False):
+            cache.truncate(n)
+            cache.pager.set_resident(model.cfg.n_layers * frac // 100)
+            times = []
+            for i in range(tokens):
+                if cold:
+                    cache.pager.file.drop_cache()
+                t = time.perf_counter()
+                int(model.forward(cache, [ids[(n + i) % len(ids)]]).argmax())
+                times.append(time.perf_counter() - t)
+            cache.pager.settle()
+            out[(frac, cold)] = statistics.median(times)
+    return out
 
 
 def chunked_swap_baseline(model, ids: list[int], n: int, rows: int, folder: str) -> float:
