@@ -1,6 +1,8 @@
 """LoRA adapters in the one-process service (`wire_local`): loaded under the adapter root, recorded
 and loaded again after a restart, a context bound to one for its life, its K/V restored (from the
-pool, from disk, by recompute) under that adapter only, and refusals that change nothing.
+pool, from disk, by recompute) under that adapter only, and refusals that change nothing; then the
+same on Ray, where that service also checks a prompt streamed under a prefill budget (one service start
+for both).
 
 The adapters are written here for the default model's shapes (random A and B on q, v and down), so
 the replies of an adapted context differ from the base model's; the reference is the in-process
@@ -23,6 +25,8 @@ from scheduler.pipeline import CostProfile
 PROFILE = CostProfile.fit([(1, 0.078), (8, 0.233)], [(3.0e6, 0.018), (14.1e6, 0.032)]).to_json()
 SYSTEM = "You are a concise assistant."
 PROMPTS = ["Name three rivers.", "Which one is longest?", "Say it again in French."]
+LONG = "Summarise this list: " + " ".join(f"item {i} is a {['red', 'blue', 'green'][i % 3]} box," for i in range(120))
+"""A prompt whose prefill fits 8 MiB only with its K/V streamed layer by layer (`severe`)."""
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +55,8 @@ def reference(small_engine, adapter_root):
 
 
 def config(tmp_path, adapter_root, **kw):
-    return ServiceConfig(data_dir=str(tmp_path / "data"), adapter_root=str(adapter_root), max_context_tokens=512,
-                         profile=PROFILE, **kw)
+    kw.setdefault("max_context_tokens", 512)
+    return ServiceConfig(data_dir=str(tmp_path / "data"), adapter_root=str(adapter_root), profile=PROFILE, **kw)
 
 
 def test_adapted_contexts_answer_as_the_engine_does_under_memory_pressure_and_restarts(
@@ -150,19 +154,42 @@ def test_refused_adapters_change_nothing(small_engine, adapter_root, tmp_path):
         svc.close()
 
 
-def test_on_ray_the_recompute_worker_recomputes_under_the_contexts_adapter(ray_cluster, adapter_root, reference,
-                                                                           tmp_path):
-    """The same on the actors: the kill policy makes every switch recompute in the recompute worker,
-    which loads the adapter the restore request names."""
+def test_on_ray_the_recompute_worker_recomputes_under_the_adapter_and_into_a_mapped_working_set(
+        ray_cluster, engine, adapter_root, reference, tmp_path):
+    """The same on the actors, under the kill policy (every switch recomputes, in the recompute worker)
+    and a prefill budget. With the budget the executor's working set is a file under `<data_dir>/ws`
+    that the worker maps by its path: a long prompt runs streamed and answers as the engine does, the
+    context is killed at once, none of its chunks put in the pool, and once another context took the
+    working set the worker recomputes it into that file. Then the worker loads the adapter each restore
+    request names, and unloads one the node removes."""
     import ray
 
     from actors.ray_service import wire_ray
 
-    svc = wire_ray(config(tmp_path, adapter_root, policy="lmk", pool_bytes=1 << 20), prefix="t-lora")
+    wide = ContextEngine(engine.model, engine.tok, EngineConfig(max_context_tokens=2048))
+    first, other = wide.new_ctx(SYSTEM), wide.new_ctx(SYSTEM)
+    want = [wide.call(first, LONG, max_tokens=8).token_ids, wide.call(other, "Hi.", max_tokens=4).token_ids,
+            wide.call(first, "Thanks.", max_tokens=4).token_ids]
+    svc = wire_ray(config(tmp_path, adapter_root, policy="lmk", pool_bytes=1 << 20, max_context_tokens=2048,
+                          prefill_budget_bytes=8 << 20), prefix="t-lora")
+    ws_dir = tmp_path / "data" / "ws"
     try:
+        token = svc.bind("app")
+        a, b = svc.new_ctx(token, SYSTEM), svc.new_ctx(token, SYSTEM)
+        out = svc.call(token, a, LONG, max_tokens=8)
+        assert out.prefill_plan == "severe" and out.streamed_bytes > 0 and out.token_ids == want[0]
+        assert list(ws_dir.glob("t-lora-ws-*"))  # the working set's file, mapped by both
+        svc.flush()  # after the reply: killed at once, none of its chunks put in the pool (and evicted)
+        chunks = svc.describe(token, a)["chunks"]
+        assert chunks["resident"] == {} and chunks["to_recompute"] == chunks["total"] > 0, chunks
+        stats = ray.get(svc.parts.gov.__ray_call__.remote(lambda actor: dict(actor.gov.stats)))
+        assert (stats["killed_contexts"], stats["evictions"]) == (1, 0), stats
+        assert svc.call(token, b, "Hi.", max_tokens=4).token_ids == want[1]
+        back = svc.call(token, a, "Thanks.", max_tokens=4)
+        assert back.restore.recomputed > 0 and back.token_ids == want[2]
+
         svc.add_adapter("tutor", "tutor")
         svc.add_adapter("poet", "poet")
-        token = svc.bind("app")
         ctxs = {name: svc.new_ctx(token, SYSTEM, adapter=name) for name in (None, "tutor", "poet")}
         recomputed = 0
         for turn in range(3):
@@ -178,3 +205,4 @@ def test_on_ray_the_recompute_worker_recomputes_under_the_contexts_adapter(ray_c
         assert ray.get(worker.loaded_adapters.remote()) == ["tutor"]
     finally:
         svc.close()
+    assert not list(ws_dir.glob("t-lora-ws-*"))  # unlinked at close

@@ -2,7 +2,8 @@
 prompt whose one-pass estimate is over the budget runs in the planner's row partitions and answers
 as without a budget; one that cannot fit is refused with `prompt_too_long` and the estimate before any
 prefill, and the context goes on as it was; one that fits only with its K/V streamed layer by layer
-(`severe`) runs so and answers the same."""
+(`severe`) runs so and answers the same. (On Ray, where the recompute worker maps the streamed working
+set by its path, the same is checked on the service of tests/actors/test_adapters_service.py's Ray test.)"""
 
 from __future__ import annotations
 
@@ -107,38 +108,3 @@ def test_a_long_prompt_runs_in_partitions_or_is_refused_with_its_estimate(small_
         svc.close()
     with pytest.raises(ValueError, match="prefill_budget_bytes"):
         ServiceConfig(data_dir=str(tmp_path), prefill_budget_bytes=-1)
-
-
-def test_on_ray_a_streamed_context_is_recomputed_into_the_mapped_working_set(ray_cluster, small_engine, tmp_path):
-    """On Ray with a prefill budget the executor's working set is a file under `<data_dir>/ws` that the
-    recompute worker maps by its path: a long prompt runs streamed and answers as the engine does, and
-    under the kill policy (`lmk`) the context is killed at once, none of its chunks put in the pool; once
-    another context took the working set, the worker recomputes it into that file and its next turn
-    answers as the engine's too."""
-    import ray
-
-    from actors.ray_service import wire_ray
-
-    e = small_engine
-    first, other = e.new_ctx(SYSTEM), e.new_ctx(SYSTEM)
-    want = [e.call(first, LONG, max_tokens=8).token_ids, e.call(other, "Hi.", max_tokens=4).token_ids,
-            e.call(first, "Thanks.", max_tokens=4).token_ids]
-    svc = wire_ray(ServiceConfig(data_dir=str(tmp_path), max_context_tokens=2048, profile=PROFILE, policy="lmk",
-                                 pool_bytes=1 << 20, prefill_budget_bytes=8 << 20), prefix="t-stream")
-    try:
-        tok = svc.bind("app")
-        a, b = svc.new_ctx(tok, SYSTEM), svc.new_ctx(tok, SYSTEM)
-        out = svc.call(tok, a, LONG, max_tokens=8)
-        assert out.prefill_plan == "severe" and out.streamed_bytes > 0 and out.token_ids == want[0]
-        assert list((tmp_path / "ws").glob("t-stream-ws-*"))  # the working set's file, mapped by both
-        svc.flush()  # after the reply: killed at once, none of its chunks put in the pool (and evicted)
-        chunks = svc.describe(tok, a)["chunks"]
-        assert chunks["resident"] == {} and chunks["to_recompute"] == chunks["total"] > 0, chunks
-        stats = ray.get(svc.parts.gov.__ray_call__.remote(lambda actor: dict(actor.gov.stats)))
-        assert (stats["killed_contexts"], stats["evictions"]) == (1, 0), stats
-        assert svc.call(tok, b, "Hi.", max_tokens=4).token_ids == want[1]
-        back = svc.call(tok, a, "Thanks.", max_tokens=4)
-        assert back.restore.recomputed > 0 and back.token_ids == want[2]
-    finally:
-        svc.close()
-    assert not list((tmp_path / "ws").glob("t-stream-ws-*"))  # unlinked at close

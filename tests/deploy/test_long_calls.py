@@ -1,6 +1,7 @@
 """Long calls over real HTTP (the session's Serve application): `/readyz` answers 200 while a call holds
 the model executor, and 503 while an actor restarts, then 200 again; a client that goes away in the
-middle of a call, streaming or not, stops it, and its turn is not committed.
+middle of a call, streaming or not, stops it, and its turn is not committed; one that leaves a
+streamed RAG answer stops it, and nothing of it is stored.
 
 No timing bets: each test waits on a gate (the first streamed event, the context held by its call)
 and polls for the end state with a generous bound."""
@@ -93,6 +94,24 @@ def test_a_client_that_leaves_a_call_without_stream_stops_it_uncommitted(server,
     assert app.call(ctx, "Say hi.", max_tokens=4).usage["completion_tokens"] > 0
 
 
+def test_a_rag_answer_left_midway_stops_and_stores_nothing(server, app):
+    """A streamed RAG answer left after its first delta: the cancel crosses the predictor to the
+    executor, which stops decoding and stores nothing. The predictor takes one query at a time, so the
+    same question asked next runs after the first one ended: had it finished, its stored answer would
+    serve the second from the QA bank."""
+    col = app.create_collection("counting")
+    app.add_document(col, "Numbers in words: one, two, three, four, five, six, seven, eight, nine, ten.")
+    s = send(server, app, f"/v1/rag/collections/{col}/query", {"query": LONG["prompt"], "max_tokens": 600,
+                                                               "stream": True})
+    try:
+        head = read_until(s, b'data: {"delta"')  # the gate: the first delta, so the executor is decoding
+        assert head.startswith(b"HTTP/1.1 200"), head[:300]
+    finally:
+        s.close()  # the client goes away mid-answer
+    again = app.ask(col, LONG["prompt"], max_tokens=4)
+    assert again["cache"]["level"] != "qa_bank" and again["usage"]["completion_tokens"] > 0
+
+
 def test_readyz_is_503_while_an_actor_restarts_and_200_once_it_is_back(server, app):
     """The recompute worker killed (as by the OOM killer): until Ray has restarted it (a new process
     that loads the model), `/readyz` names it and answers 503; then 200, and calls work."""
@@ -118,6 +137,26 @@ def test_readyz_is_503_while_an_actor_restarts_and_200_once_it_is_back(server, a
     assert app.call(ctx, "Say hi.", max_tokens=4).usage["completion_tokens"] > 0
 
 
+@ray.remote
+class Talker:
+    """An actor whose streaming call says whether it was closed midway."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def stream(self, params: dict):
+        try:
+            for i in range(3000):  # 30 s if nothing stops it
+                time.sleep(0.01)
+                yield str(i)
+        except GeneratorExit:
+            self.closed = True
+            raise
+
+    def was_closed(self) -> bool:  # queued behind `stream`: answers once the call has ended
+        return self.closed
+
+
 def test_a_call_closed_before_its_outcome_is_cancelled_at_the_actor(ray_cluster):
     """Without Serve's own cancellation: the ingress's event generator (`Ingress._events`) closed after
     the first delta cancels the actor's streaming call, whose generator is then closed at its next
@@ -127,23 +166,6 @@ def test_a_call_closed_before_its_outcome_is_cancelled_at_the_actor(ray_cluster)
 
     from deploy.http_parts import Limiter
     from deploy.serve_app import Ingress
-
-    @ray.remote
-    class Talker:
-        def __init__(self) -> None:
-            self.closed = False
-
-        def stream(self, params: dict):
-            try:
-                for i in range(3000):  # 30 s if nothing stops it
-                    time.sleep(0.01)
-                    yield str(i)
-            except GeneratorExit:
-                self.closed = True
-                raise
-
-        def was_closed(self) -> bool:  # queued behind `stream`: answers once the call has ended
-            return self.closed
 
     talker = Talker.remote()
     ingress = SimpleNamespace(limiter=Limiter(1, 1))
@@ -157,4 +179,17 @@ def test_a_call_closed_before_its_outcome_is_cancelled_at_the_actor(ray_cluster)
     assert asyncio.run(leave_after_the_first_delta()) == "0"
     assert ray.get(talker.was_closed.remote(), timeout=120)
     assert not ingress.limiter.sem.locked()  # the slot was given back
+    ray.kill(talker)
+
+
+def test_the_predictor_leaving_a_rag_stream_cancels_the_executors_call(ray_cluster):
+    """The second hop of a RAG answer's cancel: the predictor reads the executor's `rag_stream` through
+    `actors.ray_stubs.resolved_items`; closed before the outcome, it cancels the executor's call."""
+    from actors.ray_stubs import resolved_items
+
+    talker = Talker.remote()
+    items = resolved_items(talker.stream.remote({}))
+    assert next(items) == "0"
+    items.close()
+    assert ray.get(talker.was_closed.remote(), timeout=120)
     ray.kill(talker)
