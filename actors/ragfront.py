@@ -63,13 +63,12 @@ class RagAnswer:
 class RagCache:
     def __init__(self, bank, store, embed: Callable[[list[str]], np.ndarray], template, run: Callable[[RagCall], RagOutcome],
                  delete_node: Callable[[str], Any], model_key: KVKey, config: RagConfig | None = None,
-                 clock: Callable[[], float] = time.time,
-                 run_stream: Callable[[RagCall], Iterator[Any]] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, *, run_stream: Callable[[RagCall], Iterator[Any]]) -> None:
         """`bank`: `storage.knowledge.KnowledgeBank`; `store`: `storage.ragstore.RagStore`; `embed`: the
         embedding model's (`engine.embed.Embedder.embed`); `template`: `engine.rag.RagTemplate`;
         `model_key`: the model part of the KV key (the app and adapter are added per query); `run`:
         the executor port's `rag_call`; `run_stream`: its `rag_stream` with the items resolved (text
-        deltas, then the `RagOutcome`), for `query_stream` (None: `run`, the reply as one delta)."""
+        deltas, then the `RagOutcome`), for `query_stream`."""
         self.bank, self.store, self.embed, self.template = bank, store, embed, template
         self.run, self.run_stream, self.delete_node = run, run_stream, delete_node
         self.model_key = model_key
@@ -157,11 +156,6 @@ class RagCache:
 
     def _streamed(self, call: RagCall):
         """The model's call through `run_stream`: yields its text deltas, returns its `RagOutcome`."""
-        if self.run_stream is None:
-            out = self.run(call)
-            if out.text:
-                yield out.text
-            return out
         items = self.run_stream(call)
         try:
             for item in items:
