@@ -12,6 +12,7 @@ generated ids in; `conversation_ids` is that reference.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,10 +45,12 @@ class ChatTokenizer:
     """A Hugging Face tokenizer with the model's chat template, loaded from a local directory."""
 
     def __init__(self, directory: str | Path) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
+        self.tok = RustTokenizer.load(Path(directory))
+        if self.tok is None:  # a tokenizer that needs transformers' code
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(directory))
+            self.tok = AutoTokenizer.from_pretrained(str(directory))
         if not getattr(self.tok, "chat_template", None):
             raise ValueError(f"{directory}: tokenizer has no chat template")
         self.eos_token_id: int | None = self.tok.eos_token_id
@@ -117,3 +120,92 @@ class ChatTokenizer:
                     r = r[:-1]
                 ids += r
         return ids
+
+
+# tokenizer_config.json keys whose meaning RustTokenizer carries; another key may change what transformers
+# does with the tokenizer, so a directory with one is left to transformers
+_PLAIN_CONFIG = {"backend", "tokenizer_class", "bos_token", "eos_token", "pad_token", "unk_token", "is_local",
+                 "local_files_only", "model_max_length", "clean_up_tokenization_spaces", "chat_template"}
+_PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+class RustTokenizer:
+    """A tokenizer.json tokenizer and a Jinja chat template without transformers, whose import and
+    tokenizer set-up take about 3 s of a process's start (a service start pays it in two actors, the CLI
+    at every command); ~0.3 s this way. It does what transformers' fast tokenizer does for a plain
+    configuration (the `tokenizers` library's encode and decode, the template rendered in Jinja's
+    immutable sandbox with `trim_blocks` and `lstrip_blocks`, as transformers renders it), and
+    `load` returns None for any other, which transformers then loads (tests/engine/test_chat.py
+    checks the two agree on the default model)."""
+
+    def __init__(self, backend, template, special: dict[str, str | None]) -> None:
+        self._backend = backend
+        self._template = template
+        self._special = special
+        self.chat_template = template.source
+        ids = {k: (backend.token_to_id(v) if v is not None else None) for k, v in special.items()}
+        self.bos_token_id: int | None = ids.get("bos_token")
+        self.eos_token_id: int | None = ids.get("eos_token")
+        self.pad_token_id: int | None = ids.get("pad_token")
+
+    @classmethod
+    def load(cls, directory: Path) -> "RustTokenizer | None":
+        """The tokenizer of `directory`, or None where it needs transformers: no tokenizer.json, a
+        configuration key or class this does not mirror, or a template that uses transformers' own
+        Jinja extensions."""
+        try:
+            cfg = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+            tokenizer_json = directory / "tokenizer.json"
+            template_file = directory / "chat_template.jinja"
+            source = cfg.get("chat_template")
+            if source is None and template_file.is_file():
+                source = template_file.read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            return None
+        if (not tokenizer_json.is_file() or not isinstance(source, str) or set(cfg) - _PLAIN_CONFIG
+                or cfg.get("tokenizer_class") not in _PLAIN_CLASSES or cfg.get("clean_up_tokenization_spaces")):
+            return None
+        special = {k: cfg.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        if not all(v is None or isinstance(v, str) for v in special.values()):
+            return None  # an AddedToken written as a dict
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        try:
+            template = env.from_string(source)
+        except jinja2.TemplateSyntaxError:  # e.g. transformers' {% generation %} tag
+            return None
+        template.source = source
+        return cls(Tokenizer.from_file(str(tokenizer_json)), template, special)
+
+    def __len__(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
+                            add_generation_prompt: bool = False) -> str:
+        if tokenize:
+            raise ValueError("RustTokenizer renders text only; encode the rendered text")
+        return self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self._special)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # as transformers' filter: plain JSON, without Jinja's HTML escaping
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)

@@ -11,6 +11,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def pytest_collection_modifyitems(items):
+    """Modules that need no Ray run first, then those that start Ray actors, then those of the session's
+    Serve application. A running Ray cluster, idle, takes about a tenth of a 2-core machine (GCS,
+    raylet, Serve's controller, each actor's heartbeats): the model tests run without it. Whole modules
+    move, so module fixtures are made once; the order within each group is the collection order."""
+
+    def group(module) -> int:
+        names = {n for item in module_items[module] for n in item.fixturenames}
+        return 2 if "server" in names else 1 if "ray_cluster" in names else 0
+
+    module_items: dict = {}
+    for item in items:
+        module_items.setdefault(item.module, []).append(item)
+    order = sorted(module_items, key=group)  # stable: collection order within a group
+    items[:] = [item for module in order for item in module_items[module]]
+
+
 @pytest.fixture(scope="session")
 def resolved_model():
     from engine.loader import resolve_model
