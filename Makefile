@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: venv
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --durations=25 tests
 
 serve: venv
 	$(BIN)/llmaas serve

@@ -4,6 +4,7 @@ Hugging Face transformers over the same de-quantized weights)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -11,11 +12,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def pytest_collection_modifyitems(items):
+# Test modules that start Ray (they use the `ray_cluster` or `server` fixture). `make test` runs two
+# pytest workers (pytest-xdist) and these modules all go to one of them, so that the whole run has one
+# Ray cluster and one Serve application; the other worker takes the modules without Ray, a module at a
+# time. Collection fails when a module that uses Ray is not listed.
+RAY_MODULES = {
+    "tests/actors/test_adapters_service.py", "tests/actors/test_kv8_service.py", "tests/actors/test_ray_service.py",
+    "tests/deploy/test_adapters_http.py", "tests/deploy/test_cli_remote.py", "tests/deploy/test_http.py",
+    "tests/deploy/test_long_calls.py", "tests/deploy/test_metrics.py", "tests/deploy/test_openai.py",
+    "tests/deploy/test_rag_http.py",
+}
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one torch thread per pytest worker (and so per Ray actor it starts): two workers with a 2-thread
+    # OpenMP team each on 2 cores spin against each other
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
     """Modules that need no Ray run first, then those that start Ray actors, then those of the session's
-    Serve application. A running Ray cluster, idle, takes about a tenth of a 2-core machine (GCS,
-    raylet, Serve's controller, each actor's heartbeats): the model tests run without it. Whole modules
-    move, so module fixtures are made once; the order within each group is the collection order."""
+    Serve application (so `restart_ray` comes before it), in collection order within each group. Whole
+    modules move, so module fixtures are made once. In one process this keeps an idle Ray (about a
+    tenth of a 2-core machine: GCS, raylet, Serve's controller, the actors' heartbeats) off the model
+    tests; in two workers the Ray modules' worker runs them in this order."""
 
     def group(module) -> int:
         names = {n for item in module_items[module] for n in item.fixturenames}
@@ -26,6 +47,22 @@ def pytest_collection_modifyitems(items):
         module_items.setdefault(item.module, []).append(item)
     order = sorted(module_items, key=group)  # stable: collection order within a group
     items[:] = [item for module in order for item in module_items[module]]
+    path = {m: module_items[m][0].nodeid.split("::", 1)[0] for m in order}
+    unlisted = {path[m] for m in order if group(m) > 0} - RAY_MODULES
+    if unlisted:  # two workers would start a Ray each
+        raise pytest.UsageError(f"add {sorted(unlisted)} to RAY_MODULES in tests/conftest.py: they use Ray")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Scopes of pytest-xdist's scheduling: every Ray module in one ("ray"), each other module its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneRayWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if path in RAY_MODULES else path
+
+    return OneRayWorker(config, log)
 
 
 @pytest.fixture(scope="session")
