@@ -224,9 +224,11 @@ class QueryPredictor:
                 self.rag.query(app, e.collection, e.question, adapter=e.adapter, predicted=e.predicted,
                                background=True, replaces=e.id)
                 out["questions"].append(e.question)
+            # listed earlier, a path may be whole again since (a question asked along it)
+            still = {int(c.entry_id) for c in self.rag.evicted(app)} if again else set()
             for entry_id in again:
                 try:
-                    e = self.store.qa_entry(app, entry_id)
+                    e = self.store.qa_entry(app, entry_id) if entry_id in still else None
                 except QAEntryNotFoundError:  # evicted or deleted since
                     e = None
                 if e is not None:  # decode=False: the tree only, no QA entry is written

@@ -98,9 +98,15 @@ def test_idle_time_decodes_the_answers_a_new_document_made_stale(tmp_path, engin
     assert p.tick(clock.t + 200) == []
 
 
-def test_once_the_tree_cap_grows_idle_time_prefills_the_evicted_paths_again(tmp_path, engine, embedder):
+@pytest.mark.parametrize("asked_meanwhile", [False, True])
+def test_once_the_tree_cap_grows_idle_time_prefills_the_evicted_paths_again(tmp_path, engine, embedder,
+                                                                            asked_meanwhile):
+    """The Fuji path's nodes are evicted under a small cap; after a restart with a larger one, idle time
+    prefills the path again. `asked_meanwhile`: the re-prefill is listed, a real call takes the
+    executor back first, and the user's own question along the path brings its nodes back; the listed
+    re-prefill is then dropped, not run."""
     clock = Clock()
-    no_rounds = IdlePolicy(idle_after_s=30, abstract_quiet_s=1e9, stride=2)
+    no_rounds = IdlePolicy(idle_after_s=30, abstract_quiet_s=1e9, history_quiet_s=1e9, stride=2)
     p, ex = predictor(tmp_path, engine, embedder, clock, idle=no_rounds)
     col = p.create_collection("app", "facts")
     for d in DOCS:
@@ -117,6 +123,18 @@ def test_once_the_tree_cap_grows_idle_time_prefills_the_evicted_paths_again(tmp_
     p.close()
     q, ex = predictor(tmp_path, engine, embedder, clock, idle=no_rounds)  # a restart with the default cap (larger)
     before = {e.id: e.answer for e in q.store.qa_entries("app", col, "")}
+    if asked_meanwhile:
+        ex.stop = lambda: True  # a real call arrives at the re-prefill's first slice
+        (cut,) = q.tick(clock.t + 250)
+        assert cut.get("preempted") and q.known["app"]["reprefill"] == [evicted.entry_id]
+        ex.stop = lambda: False
+        asked = q.query("app", col, "How tall is Mount Fuji?", {"max_tokens": 6, "tau_query": 1.01})
+        assert asked.token_ids == fuji.token_ids and q.rag.evicted("app") == []  # the path is whole again
+        n = len(ex.calls)
+        assert q.tick(clock.t + 300) == [] and len(ex.calls) == n  # nothing prefilled twice
+        assert q.known["app"]["reprefill"] == []
+        q.close()
+        return
     (done,) = q.tick(clock.t + 300)
     assert done["prefilled"] == ["How tall is Mount Fuji?"] and done["questions"] == []
     assert [(c.decode, c.background) for c in ex.calls] == [(False, True)]
