@@ -53,6 +53,7 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"add {sorted(unlisted)} to RAY_MODULES in tests/conftest.py: they use Ray")
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown where it is not installed
 def pytest_xdist_make_scheduler(config, log):
     """Scopes of pytest-xdist's scheduling: every Ray module in one ("ray"), each other module its own."""
     from xdist.scheduler import LoadScopeScheduling
