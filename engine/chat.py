@@ -42,7 +42,8 @@ class Conversation:
 
 
 class ChatTokenizer:
-    """A Hugging Face tokenizer with the model's chat template, loaded from a local directory."""
+    """The model's tokenizer and chat template, loaded from a local directory: `RustTokenizer` where it
+    mirrors the configuration, else transformers' `AutoTokenizer`."""
 
     def __init__(self, directory: str | Path) -> None:
         self.tok = RustTokenizer.load(Path(directory))
@@ -132,17 +133,17 @@ _PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 class RustTokenizer:
     """A tokenizer.json tokenizer and a Jinja chat template without transformers, whose import and
     tokenizer set-up take about 3 s of a process's start (a service start pays it in two actors, the CLI
-    at every command); ~0.3 s this way. It does what transformers' fast tokenizer does for a plain
+    at every command); ~0.4 s this way. It does what transformers' fast tokenizer does for a plain
     configuration (the `tokenizers` library's encode and decode, the template rendered in Jinja's
     immutable sandbox with `trim_blocks` and `lstrip_blocks`, as transformers renders it), and
     `load` returns None for any other, which transformers then loads (tests/engine/test_chat.py
     checks the two agree on the default model)."""
 
-    def __init__(self, backend, template, special: dict[str, str | None]) -> None:
+    def __init__(self, backend, source: str, template, special: dict[str, str | None]) -> None:
         self._backend = backend
         self._template = template
         self._special = special
-        self.chat_template = template.source
+        self.chat_template = source
         ids = {k: (backend.token_to_id(v) if v is not None else None) for k, v in special.items()}
         self.bos_token_id: int | None = ids.get("bos_token")
         self.eos_token_id: int | None = ids.get("eos_token")
@@ -180,8 +181,7 @@ class RustTokenizer:
             template = env.from_string(source)
         except jinja2.TemplateSyntaxError:  # e.g. transformers' {% generation %} tag
             return None
-        template.source = source
-        return cls(Tokenizer.from_file(str(tokenizer_json)), template, special)
+        return cls(Tokenizer.from_file(str(tokenizer_json)), source, template, special)
 
     def __len__(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)

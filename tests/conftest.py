@@ -38,17 +38,16 @@ def pytest_collection_modifyitems(config, items):
     tenth of a 2-core machine: GCS, raylet, Serve's controller, the actors' heartbeats) off the model
     tests; in two workers the Ray modules' worker runs them in this order."""
 
-    def group(module) -> int:
-        names = {n for item in module_items[module] for n in item.fixturenames}
-        return 2 if "server" in names else 1 if "ray_cluster" in names else 0
-
     module_items: dict = {}
     for item in items:
         module_items.setdefault(item.module, []).append(item)
-    order = sorted(module_items, key=group)  # stable: collection order within a group
+    group = {}
+    for module, its in module_items.items():
+        names = {n for item in its for n in item.fixturenames}
+        group[module] = 2 if "server" in names else 1 if "ray_cluster" in names else 0
+    order = sorted(module_items, key=group.__getitem__)  # stable: collection order within a group
     items[:] = [item for module in order for item in module_items[module]]
-    path = {m: module_items[m][0].nodeid.split("::", 1)[0] for m in order}
-    unlisted = {path[m] for m in order if group(m) > 0} - RAY_MODULES
+    unlisted = {module_items[m][0].nodeid.split("::", 1)[0] for m in order if group[m] > 0} - RAY_MODULES
     if unlisted:  # two workers would start a Ray each
         raise pytest.UsageError(f"add {sorted(unlisted)} to RAY_MODULES in tests/conftest.py: they use Ray")
 
