@@ -568,10 +568,12 @@ class ModelExecutor:
     def _write_through(self, ctx: str, order: list[tuple[int, str]], arrays: dict | None,
                        adapter: str) -> list[tuple[int, str, dict]]:
         """A streamed context's chunks (index, level) encoded and written to disk by the IO worker a
-        batch at a time, each batch at most one streamed layer's slab of bytes (memory the prefill's
-        plan already counted): never all of them in memory, nor in the object store, at once. The
-        pages the reads faulted in are let go after each batch. Returns (index, level, meta) each."""
+        batch at a time, each batch at most one layer's K/V of the context in bytes (memory the
+        prefill's plan already counted for a streamed layer): never all of them in memory, nor in the
+        object store, at once. The pages the reads faulted in are let go after each batch. Returns
+        (index, level, meta) each."""
         pager = self.ws.pager
+        limit = pager.slab_bytes(self.ws.length)
         stored: list[tuple[int, str, dict]] = []
         batch: list[tuple[int, str, codecs.EncodedChunk]] = []
         held = 0
@@ -587,7 +589,7 @@ class ModelExecutor:
                                 dtype=self.level_dtype)
             batch.append((i, level, enc))
             held += enc.nbytes
-            if held >= pager.layer_bytes:
+            if held >= limit:
                 write()
                 held = 0
         if batch:

@@ -49,6 +49,15 @@ RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 crash-looping actor slows down instead of spinning, one that failed once comes straight back."""
 RESTART_WINDOW_S = 60.0
 
+RAY_SYSTEM_CONFIG = {"free_objects_period_milliseconds": 50}
+"""`ray.init(_system_config=...)` for a Ray the service starts itself (`llmaas serve`, a local replay).
+The raylet deletes freed objects in batches, by default once a second; until then their pages stay
+taken, and the object store's allocator takes fresh ones for the next objects. A streamed context's
+write-back and restore pass a layer's K/V through the object store every few hundred milliseconds,
+so with the default the store's pages in /dev/shm grew by 137 MiB over one 6,000-token call with a
+32 MiB budget; deleted every 50 ms, two batches' worth (`bench/serve_long_prompt.py` measures it).
+A Ray cluster the service joins keeps its own setting."""
+
 HEALTH_GROUPS = {"health": 1}
 """The concurrency groups every actor of the service is made with (`ray.remote(concurrency_groups=...)`):
 besides the default group, where the actor's work runs one call at a time, a `health` group with a

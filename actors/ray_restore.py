@@ -97,8 +97,9 @@ class RayRestorer:
         # ask for the reads before the decode threads take both cores: the IO worker's request (and the
         # worker itself, which requests no CPU) would otherwise wait behind them
         streamed = streamed_from(ws) is not None  # a bounded stream, one layer's slab a batch
-        refs = (self.io.read_batches(plan.ctx, loads, streamed_batch(ws) if streamed else self.batch_size(plan),
-                                     plan.adapter, ahead=STREAMED_AHEAD if streamed else None) if loads else None)
+        batch = streamed_batch(ws, plan.kv_tokens) if streamed else self.batch_size(plan)
+        refs = (self.io.read_batches(plan.ctx, loads, batch, plan.adapter, ahead=STREAMED_AHEAD if streamed else None)
+                if loads else None)
         req = RestoreRequest(plan.ctx, plan.kv_tokens, plan.token_ids, keys, loads, [],
                              [range(self.cfg.n_layers)], recompute_failed=False, resident_layers=streamed_from(ws))
         items = self._batches(refs, plan.ctx, loads, plan.adapter) if loads else ()

@@ -51,10 +51,10 @@ restore into a working set that streams layers: the next layer read ahead, as th
 counts it (scheduler/prefill.py), so neither memory nor the object store holds more of the context."""
 
 
-def streamed_batch(ws: KVCache) -> int:
-    """Whole chunks per read batch for a restore into a working set that streams layers: one layer's
-    slab of them (what `_Streamed` writes out at a time)."""
-    return max(1, ws.pager.layer_bytes // ws.chunk_nbytes())
+def streamed_batch(ws: KVCache, tokens: int) -> int:
+    """Whole chunks per read batch for a restore of a context of `tokens` tokens into a working set that
+    streams layers: one layer's K/V of the context in bytes (what `_Streamed` writes out at a time)."""
+    return max(1, ws.pager.slab_bytes(tokens) // ws.chunk_nbytes())
 
 
 def streamed_from(ws: KVCache) -> int | None:
@@ -131,16 +131,17 @@ class _Streamed:
     """The streamed layers of a working set that streams them (`req.resident_layers` set and a
     `LayerPager`; else every call is a no-op): `release` writes filled layers out of memory,
     `filled` counts whole chunks de-quantized and releases every layer once they add up to one
-    layer's slab (what the prefill's plan counts for a streamed layer), so a restore of whole chunks
-    holds about that much more than the resident layers."""
+    layer's K/V of the context's `tokens` (what the prefill's plan counts for a streamed layer), so a
+    restore of whole chunks holds about that much more than the resident layers."""
 
-    def __init__(self, ws: KVCache, resident_layers: int | None) -> None:
+    def __init__(self, ws: KVCache, resident_layers: int | None, tokens: int) -> None:
         self.pager = ws.pager if resident_layers is not None else None
         if self.pager is not None:
             self.pager.set_resident(resident_layers)
             if not self.pager.streaming:
                 self.pager = None
         self.chunk_bytes = ws.chunk_nbytes()
+        self.limit = self.pager.slab_bytes(tokens) if self.pager is not None else 0
         self.pending = 0
 
     def release(self, decodes: _Decodes, layers: range) -> None:
@@ -152,7 +153,7 @@ class _Streamed:
     def filled(self, decodes: _Decodes, chunks: int) -> None:
         if self.pager is not None:
             self.pending += chunks * self.chunk_bytes
-            if self.pending >= self.pager.layer_bytes:
+            if self.pending >= self.limit:
                 self.release(decodes, range(self.pager.n_layers))
 
 
@@ -175,7 +176,7 @@ def restore(ws: KVCache, req: RestoreRequest, items: Iterable, *, model=None, ad
     events = res.timeline
     n_layers = ws.kv.shape[0]
     all_layers = range(n_layers)
-    out = _Streamed(ws, req.resident_layers)
+    out = _Streamed(ws, req.resident_layers, req.kv_tokens)
     ws.truncate(0)
     ws.reserve(req.kv_tokens)
     ws.missing = set(range(ws.n_chunks))

@@ -308,7 +308,9 @@ def check_bound(args, engine, prompts, order, pool, tokens) -> int:
             for pol in args.policies:
                 one = summarise(run_policy(pol, engine, prompts, order, pool, args.throttle_mbps * 1e6, False,
                                            str(Path(tmp) / f"one{k}")))
-                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+                from actors.ray_actors import RAY_SYSTEM_CONFIG
+
+                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
                 try:
                     on_ray = summarise(run_policy(pol, engine, prompts, order, pool, args.throttle_mbps * 1e6,
                                                   True, str(Path(tmp) / f"ray{k}")))
@@ -381,7 +383,9 @@ def main(argv=None) -> int:
     if args.ray:
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from actors.ray_actors import RAY_SYSTEM_CONFIG
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     results = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("LLMAAS_BENCH_DIR")) as tmp:
         for pol in args.policies:

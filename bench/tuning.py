@@ -59,7 +59,9 @@ def run_once(args, engine, prompts, order, pool, options: dict, tmp: str) -> flo
     if args.ray:
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from actors.ray_actors import RAY_SYSTEM_CONFIG
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
         means = [summarise(run_policy(pol, engine, prompts, order, pool, 0.0, args.ray, tmp, options,
                                       idle=not args.back_to_back))["mean_switch_ms"] for pol in args.policies]

@@ -111,6 +111,7 @@ def serve_forever(args) -> int:
     import ray
     from ray import serve
 
+    from actors.ray_actors import RAY_SYSTEM_CONFIG
     from deploy.serve_app import build
 
     admin = admin_token(str(data), opts.get("admin_token_file", ""))
@@ -118,7 +119,7 @@ def serve_forever(args) -> int:
     print(f"llmaas: starting Ray (dashboard and Jobs API on 127.0.0.1:{args.dashboard_port})", file=sys.stderr)
     ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=args.dashboard_port,
              num_cpus=args.num_cpus, log_to_driver=args.verbose, configure_logging=True,
-             logging_level="WARNING" if not args.verbose else "INFO")
+             logging_level="WARNING" if not args.verbose else "INFO", _system_config=RAY_SYSTEM_CONFIG)
     stop = {"flag": False}
 
     def on_signal(_sig, _frm):

@@ -218,6 +218,12 @@ class LayerPager:
         self.written_bytes = 0
         """Bytes of K/V rows written out of memory, a counter (the "moved to the host side" metric)."""
 
+    def slab_bytes(self, tokens: int) -> int:
+        """One layer's K/V of a context of `tokens` tokens (at most the whole slab): what a prefill's plan
+        counts for a streamed layer of it (scheduler/prefill.py), and so what a batch that writes or
+        reads the context's chunks beside the resident layers may hold."""
+        return min(self.layer_bytes, max(1, tokens) * self.row_bytes)
+
     @property
     def overlap(self) -> bool:
         """Streamed layers (and spilled rows) are written out on the background thread while the next

@@ -142,13 +142,20 @@ def real_kv(engine):
 RAY_INIT = dict(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
 
+def _init_ray(ray) -> None:
+    """`ray.init` as the tests start it: `RAY_INIT` and the system settings `llmaas serve` starts Ray with."""
+    from actors.ray_actors import RAY_SYSTEM_CONFIG
+
+    ray.init(**RAY_INIT, _system_config=RAY_SYSTEM_CONFIG)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray for the whole test session (no dashboard)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(**RAY_INIT)
+        _init_ray(ray)
     yield ray
     ray.shutdown()
 
@@ -164,5 +171,5 @@ def restart_ray() -> None:
         pytest.fail("restart_ray() would stop the session's Serve application; run tests/actors first")
     node = ray.get_runtime_context().get_node_id()
     ray.shutdown()
-    ray.init(**RAY_INIT)
+    _init_ray(ray)
     assert ray.get_runtime_context().get_node_id() != node  # a new cluster, not a reconnect

@@ -46,7 +46,7 @@ def _top_level() -> set[str]:
 
 @cache
 def _python_names(path: Path) -> dict[str, set[str]]:
-    """Top-level functions and classes of a Python file, each class with its methods."""
+    """Top-level functions, classes (each with its methods) and constants of a Python file."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     names: dict[str, set[str]] = {}
     for node in tree.body:
@@ -54,6 +54,9 @@ def _python_names(path: Path) -> dict[str, set[str]]:
             names[node.name] = set()
         elif isinstance(node, ast.ClassDef):
             names[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update((t.id, set()) for t in targets if isinstance(t, ast.Name) and t.id.isupper())
     return names
 
 

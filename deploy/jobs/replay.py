@@ -105,7 +105,10 @@ def _init_ray(address: str | None) -> None:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or "auto", log_to_driver=False)
     else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
+        from actors.ray_actors import RAY_SYSTEM_CONFIG
+
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+                 _system_config=RAY_SYSTEM_CONFIG)
 
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
