@@ -55,8 +55,9 @@ The raylet deletes freed objects in batches, by default once a second; until the
 taken, and the object store's allocator takes fresh ones for the next objects. A streamed context's
 write-back and restore pass a layer's K/V through the object store every few hundred milliseconds,
 so with the default the store's pages in /dev/shm grew by 137 MiB over one 6,000-token call with a
-32 MiB budget; deleted every 50 ms, two batches' worth (`bench/serve_long_prompt.py` measures it).
-A Ray cluster the service joins keeps its own setting."""
+32 MiB budget; deleted every 50 ms, by 18-27 MiB, two or three batches (`bench/serve_long_prompt.py`
+measures it). A Ray cluster the service joins keeps its own setting (`deploy/serve_config.yaml` says
+how to start one with it)."""
 
 HEALTH_GROUPS = {"health": 1}
 """The concurrency groups every actor of the service is made with (`ray.remote(concurrency_groups=...)`):

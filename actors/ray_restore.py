@@ -96,7 +96,7 @@ class RayRestorer:
         loads = [i for i, _, _ in plan.load]
         # ask for the reads before the decode threads take both cores: the IO worker's request (and the
         # worker itself, which requests no CPU) would otherwise wait behind them
-        streamed = streamed_from(ws) is not None  # a bounded stream, one layer's slab a batch
+        streamed = streamed_from(ws) is not None  # a bounded stream, one layer's K/V of the context a batch
         batch = streamed_batch(ws, plan.kv_tokens) if streamed else self.batch_size(plan)
         refs = (self.io.read_batches(plan.ctx, loads, batch, plan.adapter, ahead=STREAMED_AHEAD if streamed else None)
                 if loads else None)
