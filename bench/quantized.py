@@ -29,20 +29,12 @@ import sys
 import time
 from pathlib import Path
 
+from bench.serve_long_prompt import proc_status
+
 NAME = "quantized"
 HEADING = "## Quantized weights"
 PROMPT = 512
 DECODE_PROMPT = 256
-
-
-def _rss() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmRSS", "RssAnon", "RssFile"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -84,7 +76,7 @@ def work_engine(model: str, weights: str, repeats: int, decode: int) -> dict:
             if r:
                 dec.append(time.perf_counter() - t)
     return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec),
-            "rss": _rss(), "weights": m.weight_format}
+            "rss": proc_status(), "weights": m.weight_format}
 
 
 def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
@@ -109,7 +101,7 @@ def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
                 out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)
             if r:
                 dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": _rss()}
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": proc_status()}
 
 
 def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
@@ -135,7 +127,7 @@ def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         if r:
             dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": _rss()}
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": proc_status()}
 
 
 # ---- driver ---------------------------------------------------------------------------------------------

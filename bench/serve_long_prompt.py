@@ -64,8 +64,8 @@ def _actor_pids() -> dict[str, int]:
     return out
 
 
-def _status(pid: int) -> dict[str, int]:
-    """The process's VmRSS, VmHWM and `KINDS` in bytes (zeros once it is gone)."""
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """A process's VmRSS, VmHWM and `KINDS` in bytes, from /proc/<pid>/status (zeros once it is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
@@ -99,7 +99,7 @@ class MemorySampler:
     def _sample(self) -> dict[str, int]:
         out = {"/dev/shm": _shm_used()}
         for actor, pid in self.pids.items():
-            st = _status(pid)
+            st = proc_status(pid)
             out.update({f"{actor} {k}": st[k] for k in KINDS})
         return out
 
@@ -109,7 +109,8 @@ class MemorySampler:
             for k, v in rise.items():
                 self.peak[k] = max(self.peak[k], v)
             # a process's RssShmem is pages of /dev/shm (the object store's) it maps: counted once, there
-            total = sum(max(v, 0) for k, v in rise.items() if not k.endswith("RssShmem"))
+            total = sum(max(v, 0) for k, v in rise.items()
+                        if not k.endswith("RssShmem"))
             if total > self.peak_sum:
                 self.peak_sum, self.at_peak = total, rise
 
@@ -156,7 +157,7 @@ def _serve(extra: list[str], port: int, prompt: str, a) -> list[dict]:
         app = _request(port, "/v1/apps", {"name": "docs"}, admin)["token"]
         ctx = _request(port, "/v1/contexts", {}, app)["id"]
         executor = _actor_pids()["ExecutorActor"]
-        started = _status(executor)["VmRSS"]
+        started = proc_status(executor)["VmRSS"]
         out = []
         for text, n in ((prompt, a.max_tokens), ("Who would read it, and why?", a.max_tokens)):
             t = time.perf_counter()
@@ -166,7 +167,7 @@ def _serve(extra: list[str], port: int, prompt: str, a) -> list[dict]:
                 r["chunks"] = _written(port, ctx, app)
             r["memory"] = sampler
             out.append(r)
-        st = _status(executor)
+        st = proc_status(executor)
         out[-1]["executor_mib"] = (started / 2**20, st["VmRSS"] / 2**20, st["VmHWM"] / 2**20)
         ok = True
         return out
