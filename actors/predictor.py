@@ -6,7 +6,8 @@ query whose answer is streamed as it decodes). A plain class; on Ray
 
 In idle time it predicts queries (PerCache §4.1.2) and runs them through the same path as real ones
 (`tick`): after documents arrive and a quiet period passes, the model updates the collection's
-abstract (topics, names, terms) from the new passages and writes questions about them; after a burst
+abstract (topics, names, terms) from the new passages and writes a question about each of them, `stride`
+passages a round in the order they arrived, until every passage has one; after a burst
 of user queries and a quiet period, it writes questions in their style. Each predicted question
 populates the K/V tree, and the QA bank with an answer when the cache scheduler says decoding pays
 (`scheduler.ragcache.CacheScheduler.populate`). Between rounds it converts across levels (PerCache
@@ -43,8 +44,8 @@ from storage.ragstore import QAEntryNotFoundError
 PREDICT_SYSTEM = "You help a user with their own documents. Answer briefly."
 ABSTRACT_PROMPT = ("List the main topics, names and terms of these passages from the user's documents, "
                    "separated by commas.\n\n{passages}")
-KNOWLEDGE_PROMPT = ("The user's documents are about: {abstract}\n\nPassage:\n{passage}\n\nWrite {n} short "
-                    "questions the user might ask about this passage, one per line.")
+KNOWLEDGE_PROMPT = ("The user's documents are about: {abstract}\n\nPassage:\n{passage}\n\nWrite one short "
+                    "question the user might ask about this passage.")
 HISTORY_PROMPT = ("Questions the user asked recently:\n{queries}\n\nWrite {n} more questions in the same "
                   "style about the same subjects, one per line.")
 ABSTRACT_CHARS = 1200
@@ -54,11 +55,15 @@ RECENT_QUERIES = 8
 
 
 def parse_questions(text: str, n: int) -> list[str]:
-    """Up to `n` distinct questions from the model's lines (numbering and bullets stripped)."""
+    """Up to `n` distinct questions from the model's lines: numbering and bullets stripped, and a
+    lead-in such as `The user might ask: "..."` with its quotes; a line ending in a colon is a
+    heading, not a question."""
     out: list[str] = []
     for line in text.splitlines():
         q = re.sub(r"^\s*(?:[-*\u2022]|\d+[.)]|Q\d*[:.])\s*", "", line).strip()
-        if len(q) >= 8 and q.lower() not in {x.lower() for x in out}:
+        q = re.sub(r"(?i)^[^:?\"]{0,60}\b(?:ask|asks|asked|question|questions)\b[^:?\"]*:\s*", "", q)
+        q = q.strip("\"'\u201c\u201d ").strip()
+        if len(q) >= 8 and not q.endswith(":") and q.lower() not in {x.lower() for x in out}:
             out.append(q)
         if len(out) == n:
             break
@@ -142,6 +147,11 @@ class QueryPredictor:
     def delete_collection(self, app: str, collection: str) -> None:
         self.rag.chunks_deleted(app, self.bank.delete_collection(app, collection))
         self.store.delete_collection_qa(app, collection)
+        with self._lock:  # nothing left to predict from
+            known = self._app(app)
+            for part in ("pending", "collections", "recent"):
+                known[part].pop(collection, None)
+            self._save(app)
 
     def add_document(self, app: str, collection: str, content: str, name: str = "", kind: str = "text") -> str:
         """Add a document; stored answers whose questions would now retrieve its passages lose their
@@ -266,11 +276,12 @@ class QueryPredictor:
         col = (next(iter(known["pending"]), None) if work.kind == "knowledge"
                else max(known["recent"], key=lambda c: len(known["recent"][c]), default=None))
         out = {"app": app, "kind": work.kind, "collection": col, "questions": [], "model_s": 0.0}
+        cursor = None  # a knowledge round: the last passage it wrote a question about
         t0 = time.perf_counter()
         try:
             if col is not None:
-                questions = (self._from_knowledge(app, col, work.stride) if work.kind == "knowledge"
-                             else self._from_history(app, col, work.stride))
+                questions, cursor = (self._from_knowledge(app, col, work.stride) if work.kind == "knowledge"
+                                     else (self._from_history(app, col, work.stride), None))
                 pop = self.scheduler.populate(self.rag.config.tau_query)
                 for q in questions:
                     self.rag.query(app, col, q, predicted=True, decode=pop.decode, background=True)
@@ -283,8 +294,11 @@ class QueryPredictor:
             if not out.get("preempted"):
                 self.idle.round_done(work)
                 if work.kind == "knowledge" and col is not None:
-                    known["pending"].pop(col, None)
-                    if known["pending"]:  # more collections wait: the next round takes the next one
+                    if cursor is not None:
+                        known["collections"][col]["cursor"] = cursor
+                    if cursor is None or not self.bank.chunks_after(app, col, cursor):
+                        known["pending"].pop(col, None)  # every passage has its question
+                    if known["pending"]:  # passages or collections wait: the next round takes them
                         self.idle.documents_added(app, now - self.idle.policy.abstract_quiet_s, 1)
             self._save(app)
         return out
@@ -298,18 +312,22 @@ class QueryPredictor:
         return self.executor.rag_call(RagCall(app, "", ids, [], [], {"max_tokens": max_tokens},
                                               background=True)).text
 
-    def _from_knowledge(self, app: str, collection: str, n: int) -> list[str]:
-        """Merge the collection's new documents into its abstract; questions about a new passage."""
-        c = self._app(app)["collections"].setdefault(collection, {"abstract": "", "covered": []})
-        docs = [d for d in self.bank.documents(app, collection) if d.id not in c["covered"]]
-        passages = [self.bank.chunks(app, d.id)[0].text for d in docs[:4]]
+    def _from_knowledge(self, app: str, collection: str, n: int) -> tuple[list[str], int | None]:
+        """The next `n` passages without a question (after the collection's cursor): their terms merged
+        into its abstract, then one question about each, framed by the abstract. Returns the questions
+        and the last passage's id, the cursor once the round is done (None when none was left)."""
+        c = self._app(app)["collections"].setdefault(collection, {"abstract": "", "cursor": 0})
+        passages = self.bank.chunks_after(app, collection, c.get("cursor", 0), n)
         if not passages:
-            return []
-        terms = self._generate(app, ABSTRACT_PROMPT.format(passages="\n\n".join(passages)), 32)
-        c["abstract"] = (c["abstract"] + ", " + terms.strip()).strip(", ")[-ABSTRACT_CHARS:]
-        c["covered"] += [d.id for d in docs[:4]]
-        text = self._generate(app, KNOWLEDGE_PROMPT.format(abstract=c["abstract"], passage=passages[-1], n=n), 20 * n)
-        return parse_questions(text, n)
+            return [], None
+        terms = self._generate(app, ABSTRACT_PROMPT.format(passages="\n\n".join(p.text for p in passages[:4])), 32)
+        abstract = (c["abstract"] + ", " + terms.strip()).strip(", ")[-ABSTRACT_CHARS:]
+        questions: list[str] = []
+        for p in passages:
+            text = self._generate(app, KNOWLEDGE_PROMPT.format(abstract=abstract, passage=p.text), 24)
+            questions += [q for q in parse_questions(text, 1) if q.lower() not in {x.lower() for x in questions}]
+        c["abstract"] = abstract  # not before: a round preempted midway merges the same terms again
+        return questions, passages[-1].id
 
     def _from_history(self, app: str, collection: str, n: int) -> list[str]:
         recent = self._app(app)["recent"].get(collection, [])

@@ -182,6 +182,8 @@ def rag_config(args, system: str, **overrides):
 
     knobs = dict(k=args.k, max_tokens=args.max_tokens, tau_query=args.tau_query, stride=args.stride,
                  idle_after_s=args.idle_after, predict_budget_s=args.budget, **SYSTEMS[system])
+    if args.tree_cap_mib:
+        knobs["tree_cap_bytes"] = args.tree_cap_mib << 20
     return RagConfig(**{**knobs, **overrides})
 
 
@@ -409,7 +411,8 @@ def markdown(summary: dict, meta: dict) -> str:
              f"Run took {meta['runtime_s'] / 60:.1f} min.", "",
              f"Users {', '.join(meta['users'])}; k {meta['k']}, max_tokens {meta['max_tokens']}, tau_query "
              f"{meta['tau_query']}, stride {meta['stride']}, a question every {meta['gap_s']:g} virtual s, idle after "
-             f"{meta['idle_after_s']:g} s, idle budget {meta['budget_s']:g} model-s per day; greedy decoding. Latency: "
+             f"{meta['idle_after_s']:g} s, idle budget {meta['budget_s']:g} model-s per day, K/V tree cap "
+             f"{meta.get('tree_cap_mib', 512)} MiB per user; greedy decoding. Latency: "
              f"wall time of `QueryPredictor.query` (embedding, retrieval, model). K/V hit: reused passage tokens / "
              f"retrieved passage tokens. Idle model-s: the predictor's rounds, apart from the latency. Quality: "
              f"{meta['rouge']}.", ""]
@@ -502,6 +505,8 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-after", type=float, default=120.0,
                     help="seconds without a real call before the predictor works (default 120)")
     ap.add_argument("--budget", type=float, default=600.0, help="predictor model-seconds per user per day (default 600)")
+    ap.add_argument("--tree-cap-mib", type=int, default=0,
+                    help="K/V tree cap per user, MiB (default 0: RagConfig's, 512)")
     ap.add_argument("--limit", type=int, default=0, help="first N questions per user (default 0: all)")
     ap.add_argument("--sensitivity", action="store_true",
                     help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and --caps-mib, on the main set")
@@ -515,6 +520,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", action="store_true", help="PNG figures (matplotlib) into --img")
     ap.add_argument("--img", type=Path, default=Path("docs/img"), help="folder of the figures (default docs/img)")
     args = ap.parse_args(argv)
+    if args.tree_cap_mib < 0:
+        ap.error("--tree-cap-mib must be at least 0")
     if args.gap <= 0 or args.limit < 0 or args.k < 1 or args.max_tokens < 1 or args.stride < 1:
         ap.error("--gap, --k, --max-tokens and --stride must be positive, --limit at least 0")
     if args.sensitivity and OURS not in args.systems:
@@ -546,7 +553,8 @@ def main(argv=None) -> int:
     meta = {"command": "python -m bench.rag " + shlex.join(argv), "date": datetime.date.today().isoformat(),
             "machine": machine(), "runtime_s": runtime, "users": args.users, "k": args.k, "max_tokens": args.max_tokens,
             "tau_query": args.tau_query, "stride": args.stride, "gap_s": args.gap, "idle_after_s": args.idle_after,
-            "budget_s": args.budget, "limit": args.limit, "rouge": rouge_name, "fingerprint": engine.fingerprint}
+            "budget_s": args.budget, "tree_cap_mib": rag_config(args, NAIVE).tree_cap_bytes >> 20, "limit": args.limit,
+            "rouge": rouge_name, "fingerprint": engine.fingerprint}
     write_results(runs, summary, meta, args.out)
     log(f"bench.rag: wrote {args.out / 'queries.csv'} and {args.out / 'summary.json'}")
     if args.plot:

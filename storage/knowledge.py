@@ -559,6 +559,17 @@ class KnowledgeBank(SqliteTables):
             rows = self._q(self._CHUNK_SQL + "WHERE c.document=? ORDER BY c.ordinal", (document,)).fetchall()
         return [KnowledgeChunk(*r[:5], _tokens(r[5])) for r in rows]
 
+    def chunks_after(self, app: str, collection: str, after: int = 0, limit: int = 1) -> list[KnowledgeChunk]:
+        """Up to ``limit`` of the collection's chunks with ids above ``after``, in the order they were
+        added (ids are never reused, so the last id seen is a cursor that survives deletions)."""
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a positive int, got {limit!r}")
+        with self._transaction(write=False):
+            self._generation(app, collection)
+            rows = self._q(self._CHUNK_SQL + "WHERE c.collection=? AND c.id>? ORDER BY c.id LIMIT ?",
+                           (collection, int(after), limit)).fetchall()
+        return [KnowledgeChunk(*r[:5], _tokens(r[5])) for r in rows]
+
     # -- search --------------------------------------------------------------------------------------
 
     def search(self, app: str, collection: str, query: str, k: int = 5, vector: np.ndarray | None = None) -> list[Hit]:

@@ -160,6 +160,36 @@ def test_a_real_call_takes_the_executor_back_and_the_round_stays_pending(tmp_pat
     assert again["kind"] == "knowledge" and not again.get("preempted")
 
 
+def test_knowledge_rounds_go_on_until_every_passage_has_its_question(tmp_path, engine, embedder):
+    """Stride 1: one passage a round, in the order they arrived; the cursor survives a restart; a
+    deleted collection leaves nothing pending."""
+    clock = Clock()
+    one = IdlePolicy(idle_after_s=30, history_quiet_s=1e9, stride=1)
+    p, ex = predictor(tmp_path, engine, embedder, clock, idle=one)
+    col = p.create_collection("app", "facts")
+    for d in DOCS:
+        p.add_document("app", col, d)
+    first, second = p.bank.chunks_after("app", col, 0, 2)
+    (done,) = p.tick(clock.t + 100)
+    assert done["kind"] == "knowledge" and len(done["questions"]) <= 1
+    prompts = [engine.tok.decode(c.ids) for c in ex.calls[:2]]  # the abstract's, then the question's
+    assert all(first.text in t and second.text not in t for t in prompts)
+    assert p.known["app"]["collections"][col]["cursor"] == first.id and p.known["app"]["pending"] == {col: True}
+    p.close()
+    p, ex = predictor(tmp_path, engine, embedder, clock, idle=one)  # a restart between the rounds
+    (done,) = p.tick(clock.t + 200)
+    assert done["kind"] == "knowledge" and p.known["app"]["collections"][col]["cursor"] == second.id
+    prompts = [engine.tok.decode(c.ids) for c in ex.calls[:2]]  # the abstract (with round 1's terms) aside
+    assert all(second.text in t and first.text not in t for t in (prompts[0], prompts[1].split("Passage:")[1]))
+    assert p.known["app"]["pending"] == {} and p.tick(clock.t + 300) == []  # every passage had its round
+    p.add_document("app", col, "The Danube flows east through ten countries into the Black Sea.")
+    assert p.known["app"]["pending"] == {col: True}
+    p.delete_collection("app", col)
+    assert p.known["app"]["pending"] == {} and col not in p.known["app"]["collections"]
+    assert p.tick(clock.t + 400) == []
+    p.close()
+
+
 def test_its_state_survives_a_restart(tmp_path, engine, embedder):
     clock = Clock()
     p, _ = predictor(tmp_path, engine, embedder, clock)
@@ -226,6 +256,10 @@ def test_questions_are_parsed_from_numbered_or_bulleted_lines():
     text = "1. How tall is Fuji?\n- When did it erupt?\n\nok\n2) how tall is fuji?\n* Where is the Nile?"
     assert parse_questions(text, 5) == ["How tall is Fuji?", "When did it erupt?", "Where is the Nile?"]
     assert parse_questions(text, 1) == ["How tall is Fuji?"]
+    said = ('The user\'s documents are about:\n\nThe user might ask: "What is the purpose of coroutines?"\n'
+            "Question: Why use with?\nWhat does the docs: section say?")  # the default model's habits
+    assert parse_questions(said, 5) == ["What is the purpose of coroutines?", "Why use with?",
+                                        "What does the docs: section say?"]
 
 
 def test_mains_power_from_sysfs(tmp_path):

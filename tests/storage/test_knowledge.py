@@ -262,6 +262,26 @@ def test_names_and_kinds_are_checked(bank):
         bank.create_collection("", "x")
 
 
+def test_chunks_after_a_cursor_come_in_arrival_order_and_skip_deleted_ones(bank):
+    col = bank.create_collection("app", "docs")
+    other = bank.create_collection("app", "other")
+    first = bank.add_document("app", col, "\n\n".join(sentence(i, 12) for i in range(3)))
+    bank.add_document("app", other, "A passage of another collection.")
+    second = bank.add_document("app", col, "\n\n".join(sentence(i, 12) for i in range(3, 5)))
+    ids = [c.id for c in bank.chunks("app", first) + bank.chunks("app", second)]
+    assert len(ids) == 5 and [c.id for c in bank.chunks_after("app", col, 0, 10)] == ids  # not the other's
+    assert [c.id for c in bank.chunks_after("app", col, ids[1], 2)] == ids[2:4]
+    assert bank.chunks_after("app", col, ids[-1]) == []
+    (c,) = bank.chunks_after("app", col, ids[-2])
+    assert (c.document, c.ordinal, list(c.token_ids)) == (second, 1, tokenize(c.text))
+    bank.delete_document("app", first)
+    assert [c.id for c in bank.chunks_after("app", col, 0, 10)] == ids[3:]  # the cursor outlives deletions
+    with pytest.raises(ValueError):
+        bank.chunks_after("app", col, 0, 0)
+    with pytest.raises(CollectionNotFoundError):
+        bank.chunks_after("b", col, 0)  # another app's collection
+
+
 def test_apps_are_isolated(bank):
     a = bank.create_collection("a", "docs")
     b = bank.create_collection("b", "docs")  # the same name in another app
