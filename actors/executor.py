@@ -39,6 +39,7 @@ from engine.chat import Conversation, Turn
 from engine.context import ContextEngine, LiveContext
 from engine.density import DensityTracker
 from engine.kvcache import KVCache
+from engine.kvspill import trim_heap
 from engine.lora import Adapter, AdapterError, AdapterSet
 from engine.sampling import BadRequestError
 from engine.threads import single_threaded_torch
@@ -330,6 +331,7 @@ class ModelExecutor:
             through = step.plan.adapter if reply.write_through else None
             if streamed_from(self.ws) is not None:  # the pool is no place for a context this large
                 loaded = []
+                trim_heap()  # the prefill's freed transients leave the process before the write-back
             self._schedule_write_back(ctx_id, todo, loaded, through=through)
         return CallOutcome(
             text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason, prompt_tokens=r.prompt_tokens,

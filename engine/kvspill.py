@@ -113,6 +113,17 @@ MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22
 _LIBC: list = []  # [libc with madvise declared], loaded on first use
 
 
+def _libc():
+    """This process's C library, with madvise's argument types declared (loaded on first use)."""
+    if not _LIBC:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _LIBC.append(libc)
+    return _LIBC[0]
+
+
 def advise(address: int, nbytes: int, advice: int, *, inner: bool) -> None:
     """madvise(2) on the pages of the bytes `[address, address + nbytes)` of this process: every page
     they touch, or (`inner`) only the pages wholly inside them, so that dropping those never touches a
@@ -123,13 +134,7 @@ def advise(address: int, nbytes: int, advice: int, *, inner: bool) -> None:
         lo, hi = address // PAGE * PAGE, -(-(address + nbytes) // PAGE) * PAGE
     if hi <= lo:
         return
-    if not _LIBC:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        _LIBC.append(libc)
-    if _LIBC[0].madvise(lo, hi - lo, advice) != 0:
+    if _libc().madvise(lo, hi - lo, advice) != 0:
         import ctypes
 
         err = ctypes.get_errno()
@@ -137,6 +142,21 @@ def advise(address: int, nbytes: int, advice: int, *, inner: bool) -> None:
             _LIBC[0].madvise(lo, hi - lo, MADV_WILLNEED)
             return
         raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
+
+
+TRIM_SWITCH = "LLMAAS_TRIM_HEAP"  # "0" turns `trim_heap` off
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim(0)`): after a long
+    prompt's prefill, its freed hidden state and transients stay in the process's private memory
+    otherwise, as the allocator's high-water mark. False where the C library has no such call, or
+    with `LLMAAS_TRIM_HEAP=0`."""
+    trim = getattr(_libc(), "malloc_trim", None) if os.environ.get(TRIM_SWITCH) != "0" else None
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def mapped_rss(select) -> int:

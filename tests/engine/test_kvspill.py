@@ -6,13 +6,14 @@ compute ends (the order of recorded events, driven by a gate)."""
 
 from __future__ import annotations
 
+import platform
 import threading
 
 import pytest
 import torch
 
 from engine.kvcache import KVCache
-from engine.kvspill import PAGE, MappedFile
+from engine.kvspill import PAGE, TRIM_SWITCH, MappedFile, trim_heap
 from tests.conftest import SAMPLE_TEXT
 
 
@@ -112,3 +113,10 @@ def test_mapped_file_round_trip(tmp_path):
     assert float(other.tensor((4,), torch.float32, offset=PAGE)[0]) == 1.5
     with pytest.raises(ValueError):
         f.tensor((PAGE,), torch.float32)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_the_heap_is_trimmed_unless_switched_off(monkeypatch):
+    assert trim_heap()
+    monkeypatch.setenv(TRIM_SWITCH, "0")
+    assert not trim_heap()
