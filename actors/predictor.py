@@ -314,8 +314,9 @@ class QueryPredictor:
 
     def _from_knowledge(self, app: str, collection: str, n: int) -> tuple[list[str], int | None]:
         """The next `n` passages without a question (after the collection's cursor): the terms of the
-        first four merged into its abstract, then one question about each, framed by the abstract. Returns the questions
-        and the last passage's id, the cursor once the round is done (None when none was left)."""
+        first four merged into its abstract, then one question about each, framed by the abstract.
+        Returns the questions and the last passage's id, the cursor once the round is done (None when
+        none was left)."""
         c = self._app(app)["collections"].setdefault(collection, {"abstract": "", "cursor": 0})
         passages = self.bank.chunks_after(app, collection, c.get("cursor", 0), n)
         if not passages:
