@@ -101,7 +101,8 @@ def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
                 out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)
             if r:
                 dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": proc_status()}
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec),
+            "rss": proc_status()}
 
 
 def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
@@ -127,7 +128,8 @@ def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         if r:
             dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec), "rss": proc_status()}
+    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec),
+            "rss": proc_status()}
 
 
 # ---- driver ---------------------------------------------------------------------------------------------

@@ -412,7 +412,7 @@ def markdown(summary: dict, meta: dict) -> str:
              f"Users {', '.join(meta['users'])}; k {meta['k']}, max_tokens {meta['max_tokens']}, tau_query "
              f"{meta['tau_query']}, stride {meta['stride']}, a question every {meta['gap_s']:g} virtual s, idle after "
              f"{meta['idle_after_s']:g} s, idle budget {meta['budget_s']:g} model-s per day, K/V tree cap "
-             f"{meta.get('tree_cap_mib', 512)} MiB per user; greedy decoding. Latency: "
+             f"{meta['tree_cap_mib']} MiB per user; greedy decoding. Latency: "
              f"wall time of `QueryPredictor.query` (embedding, retrieval, model). K/V hit: reused passage tokens / "
              f"retrieved passage tokens. Idle model-s: the predictor's rounds, apart from the latency. Quality: "
              f"{meta['rouge']}.", ""]
@@ -506,7 +506,7 @@ def main(argv=None) -> int:
                     help="seconds without a real call before the predictor works (default 120)")
     ap.add_argument("--budget", type=float, default=600.0, help="predictor model-seconds per user per day (default 600)")
     ap.add_argument("--tree-cap-mib", type=int, default=0,
-                    help="K/V tree cap per user, MiB (default 0: RagConfig's, 512)")
+                    help="K/V tree cap per user, MiB (default 0: RagConfig.tree_cap_bytes)")
     ap.add_argument("--limit", type=int, default=0, help="first N questions per user (default 0: all)")
     ap.add_argument("--sensitivity", action="store_true",
                     help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and --caps-mib, on the main set")

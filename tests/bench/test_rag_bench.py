@@ -70,9 +70,10 @@ def test_the_section_has_every_system_floor_and_setting_and_fits_its_markers():
     summary = rag.summarise(runs(), rag.rouge_l_f1)
     meta = {"command": "python -m bench.rag --limit 3", "date": "2026-01-01", "machine": "test box", "runtime_s": 90.0,
             "users": ["u"], "k": 3, "max_tokens": 32, "tau_query": 0.85, "stride": 5, "gap_s": 600.0,
-            "idle_after_s": 120.0, "budget_s": 600.0, "rouge": "LCS"}
+            "idle_after_s": 120.0, "budget_s": 600.0, "tree_cap_mib": 512, "rouge": "LCS"}
     text = rag.markdown(summary, meta)
     assert "`python -m bench.rag --limit 3`" in text and "test box" in text and "1.5 min" in text
+    assert "K/V tree cap 512 MiB per user" in text
     for name in (NAIVE, rag.EXACT, rag.OURS, rag.NO_PREDICTION, "stride=1", "PASS latency", "FAIL exact reuse"):
         assert name in text, name
     begin, end = markers(rag.NAME)
