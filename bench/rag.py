@@ -510,8 +510,8 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="first N questions per user (default 0: all)")
     ap.add_argument("--sensitivity", action="store_true",
                     help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and --caps-mib, on the main set")
-    ap.add_argument("--caps-mib", type=int, nargs=3, default=[16, 64, 256],
-                    help="K/V tree caps of the sensitivity sweep, MiB (default 16 64 256)")
+    ap.add_argument("--caps-mib", type=int, nargs=3, default=[128, 512, 2048],
+                    help="K/V tree caps of the sensitivity sweep, MiB (default 128 512 2048)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--tmp", default=None, help="where the runs' data directories go (default: the system's temp)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/rag"),
