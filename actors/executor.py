@@ -45,6 +45,10 @@ from engine.sampling import BadRequestError
 from engine.threads import single_threaded_torch
 from storage import codecs
 
+WRITE_COPIES = 3
+"""Copies of a streamed context's write-back batch alive at once (`ModelExecutor._write_through`): its
+encoded chunks, the object store's copy while the IO worker writes them, and the previous batch's copy
+until Ray deletes it (`actors/ray_actors.py:RAY_SYSTEM_CONFIG`)."""
 
 def density_blob(tr: DensityTracker) -> bytes:
     return tr.sums.astype("<f8").tobytes() + tr.rows.astype("<i8").tobytes()
@@ -570,12 +574,13 @@ class ModelExecutor:
     def _write_through(self, ctx: str, order: list[tuple[int, str]], arrays: dict | None,
                        adapter: str) -> list[tuple[int, str, dict]]:
         """A streamed context's chunks (index, level) encoded and written to disk by the IO worker a
-        batch at a time, each batch at most one layer's K/V of the context in bytes (memory the
-        prefill's plan already counted for a streamed layer): never all of them in memory, nor in the
-        object store, at once. The pages the reads faulted in are let go after each batch. Returns
-        (index, level, meta) each."""
+        batch at a time: never all of them in memory, nor in the object store, at once. What the
+        write-back may hold is what the prefill's plan counted for a streamed layer (one layer's K/V of
+        the context), and a batch is held `WRITE_COPIES` times over, so a batch is at most that over
+        `WRITE_COPIES` (and one chunk). Each chunk is copied out of the mapped file by reads
+        (`engine/kvspill.py:MappedFile.copy_out`), which map nothing. Returns (index, level, meta) each."""
         pager = self.ws.pager
-        limit = pager.slab_bytes(self.ws.length)
+        limit = max(1, pager.slab_bytes(self.ws.length) // WRITE_COPIES)
         stored: list[tuple[int, str, dict]] = []
         batch: list[tuple[int, str, codecs.EncodedChunk]] = []
         held = 0
@@ -584,11 +589,10 @@ class ModelExecutor:
             metas = self.io.write(ctx, [(i, enc, i * self.chunk) for i, _level, enc in batch], adapter)
             stored.extend((i, level, meta) for (i, level, _enc), meta in zip(batch, metas))
             batch.clear()
-            pager.unmap_streamed()
 
         for i, level in order:
-            enc = codecs.encode(arrays[i] if arrays is not None else self.ws.chunk_array(i), level,
-                                dtype=self.level_dtype)
+            view = arrays[i] if arrays is not None else self.ws.chunk_array(i)
+            enc = codecs.encode(pager.file.copy_out(view), level, dtype=self.level_dtype)
             batch.append((i, level, enc))
             held += enc.nbytes
             if held >= limit:

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
+import numpy as np
 import torch
 
 PAGE = mmap.PAGESIZE
@@ -95,6 +96,34 @@ class MappedFile:
         lo, n = self._pages(offset, self.nbytes - offset if nbytes is None else nbytes)
         if n:
             os.posix_fadvise(self.fd, lo, n, os.POSIX_FADV_DONTNEED)
+
+    def copy_out(self, view: np.ndarray) -> np.ndarray:
+        """A copy of `view` (an array over this mapping, any strides) read from the file with `pread`,
+        not through the mapping. The page cache holds what the mapping wrote, so the copy is exact; and
+        nothing is mapped: a read through the mapping maps whole folios around each page it touches (a
+        720 KiB chunk of a 30-layer working set mapped 57 MiB on ext4, 2026-11-28), which stay in this
+        process, and so in a budget, until unmapped."""
+        start = view.__array_interface__["data"][0] - self.base.data_ptr()
+        last = start + sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + view.itemsize
+        if view.size and (start < 0 or last > self.nbytes or min(view.strides, default=0) < 0):
+            raise ValueError(f"the view at {start} (to {last}) is not one of this mapping's {self.nbytes} bytes")
+        out = np.empty(view.shape, view.dtype)
+        if not view.size:
+            return out
+        k, inner = view.ndim, view.itemsize  # the innermost dims laid out contiguously: read in one piece
+        while k and view.strides[k - 1] == inner:
+            k -= 1
+            inner *= view.shape[k]
+        dst = memoryview(out.reshape(-1).view(np.uint8))
+        for n, idx in enumerate(np.ndindex(*view.shape[:k])):
+            off = start + sum(i * st for i, st in zip(idx, view.strides))
+            piece = dst[n * inner : (n + 1) * inner]
+            while piece:
+                got = os.preadv(self.fd, [piece], off)
+                if got <= 0:
+                    raise OSError(errno.EIO, f"{self.path}: read {got} bytes at {off}")
+                piece, off = piece[got:], off + got
+        return out
 
     def resident_bytes(self) -> int:
         """Bytes of the mapping in this process's memory now (its `Rss` in `/proc/self/smaps`)."""

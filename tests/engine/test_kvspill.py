@@ -115,6 +115,24 @@ def test_mapped_file_round_trip(tmp_path):
         f.tensor((PAGE,), torch.float32)
 
 
+def test_a_view_is_copied_out_by_reads_that_map_nothing(tmp_path):
+    shape = (3, 2, 2, 64 * PAGE // 64, 16)  # [L, 2, H, tokens, D] of float32 rows: 64 tokens a page
+    f = MappedFile(tmp_path / "m", 4 * (3 * 2 * 2 * 64 * PAGE // 64 * 16))
+    t = f.tensor(shape, torch.float32)
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(shape))
+    f.write_out(0, f.nbytes)
+    f.unmap(0, f.nbytes)
+    chunk = t[:, :, :, 100:116].numpy()  # one chunk's rows: 12 strided pieces of 1 KiB
+    got = f.copy_out(chunk)
+    assert f.resident_bytes() == 0  # read from the page cache, not faulted into this process
+    assert got.flags.c_contiguous and (got == chunk).all()  # (the comparison reads through the mapping)
+    assert f.resident_bytes() > 0
+    assert (f.copy_out(t[1].numpy()) == t[1].numpy()).all()  # contiguous: one read
+    assert f.copy_out(t[:, :, :, 5:5].numpy()).shape == (3, 2, 2, 0, 16)
+    with pytest.raises(ValueError, match="not one of this mapping"):
+        f.copy_out(torch.zeros(4).numpy())
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_the_heap_is_trimmed_unless_switched_off(monkeypatch):
     assert trim_heap()
