@@ -45,11 +45,6 @@ from engine.sampling import BadRequestError
 from engine.threads import single_threaded_torch
 from storage import codecs
 
-WRITE_COPIES = 3
-"""Copies of a streamed context's write-back batch alive at once (`ModelExecutor._write_through`): its
-encoded chunks, the object store's copy while the IO worker writes them, and the previous batch's copy
-until Ray deletes it (`actors/ray_actors.py:RAY_SYSTEM_CONFIG`)."""
-
 def density_blob(tr: DensityTracker) -> bytes:
     return tr.sums.astype("<f8").tobytes() + tr.rows.astype("<i8").tobytes()
 
@@ -574,13 +569,14 @@ class ModelExecutor:
     def _write_through(self, ctx: str, order: list[tuple[int, str]], arrays: dict | None,
                        adapter: str) -> list[tuple[int, str, dict]]:
         """A streamed context's chunks (index, level) encoded and written to disk by the IO worker a
-        batch at a time: never all of them in memory, nor in the object store, at once. What the
-        write-back may hold is what the prefill's plan counted for a streamed layer (one layer's K/V of
-        the context), and a batch is held `WRITE_COPIES` times over, so a batch is at most that over
-        `WRITE_COPIES` (and one chunk). Each chunk is copied out of the mapped file by reads
-        (`engine/kvspill.py:MappedFile.copy_out`), which map nothing. Returns (index, level, meta) each."""
+        batch at a time, each batch at most one layer's K/V of the context in bytes (memory the
+        prefill's plan already counted for a streamed layer): never all of them in memory, nor in the
+        object store, at once. Each batch is a pack on disk, so smaller batches would make the store
+        compact the context (`storage/compaction.py`; past `max_packs`). Each chunk is copied out of
+        the mapped file by reads (`engine/kvspill.py:MappedFile.copy_out`), which map nothing. Returns
+        (index, level, meta) each."""
         pager = self.ws.pager
-        limit = max(1, pager.slab_bytes(self.ws.length) // WRITE_COPIES)
+        limit = pager.slab_bytes(self.ws.length)
         stored: list[tuple[int, str, dict]] = []
         batch: list[tuple[int, str, codecs.EncodedChunk]] = []
         held = 0

@@ -80,10 +80,9 @@ def maybe_compact(writer: PackWriter, c: ContextPacks) -> bool:
     if chosen is None:
         return False
     moving, lo, hi = chosen
-    data = _read_verbatim(index, c, moving)
-    if data is None:
-        return False
-    # new packs tile lo..hi (chunks without a current record in it stay without one)
+    # new packs tile lo..hi (chunks without a current record in it stay without one); each piece's
+    # records are read just before its pack is written, so memory holds at most one new pack's bytes
+    # (`pack_bytes`), not the context's
     pieces, cur, size = [], [], 0
     for r in moving:
         if cur and size + r.nbytes > index.config.pack_bytes:
@@ -94,8 +93,12 @@ def maybe_compact(writer: PackWriter, c: ContextPacks) -> bool:
     pieces.append(cur)
     start = lo
     for k, piece in enumerate(pieces):
+        data = _read_verbatim(index, c, piece)
+        if data is None:  # the packs written so far are current and consistent; the rest stay as they were
+            return k > 0
         end = hi if k == len(pieces) - 1 else piece[-1].index
         _write_copy(writer, c, start, end, piece, data)
+        data = None  # before the next piece is read
         start = end + 1
     return True
 

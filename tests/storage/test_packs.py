@@ -143,6 +143,35 @@ def test_compaction_bounds_the_packs_and_keeps_every_record(tmp_path):
     assert store.usage_bytes() == sum(os.path.getsize(p) for p in store.files(KEY))
 
 
+class HeldOps(FileOps):
+    """The bytes compaction has read and not yet written: the most it held at once."""
+
+    def __init__(self):
+        self.held = self.most = 0
+
+    def pread(self, fd, n, offset):
+        data = super().pread(fd, n, offset)
+        self.held += len(data)
+        self.most = max(self.most, self.held)
+        return data
+
+    def write(self, fd, buffers):
+        self.held = 0
+        return super().write(fd, buffers)
+
+
+def test_compaction_holds_one_new_pack_of_records_at_a_time(tmp_path):
+    e = encs(24)
+    one = ChunkStore(tmp_path / "probe", fingerprint=FP).write(KEY, 0, e[0], 0).nbytes
+    ops = HeldOps()
+    store = ChunkStore(tmp_path / "s", ChunkStoreConfig(max_packs=12, pack_bytes=4 * one + 300), fingerprint=FP, fs=ops)
+    for i, x in enumerate(e):  # a write-back a chunk at a time: a pack each, then compacted
+        store.write_many(KEY, [(i, x, 16 * i)])
+    assert store.compactions > 0
+    assert 0 < ops.most <= 4 * one + 300 < len(e) * one  # not the context's records at once
+    assert all(same(g, x) for g, x in zip(read_all(reopen(store), KEY, range(24)), e))
+
+
 def test_mostly_superseded_packs_are_compacted(tmp_path):
     store = ChunkStore(tmp_path, ChunkStoreConfig(compact_min_bytes=0), fingerprint=FP)
     e = encs(8)
