@@ -45,6 +45,7 @@ from engine.sampling import BadRequestError
 from engine.threads import single_threaded_torch
 from storage import codecs
 
+
 def density_blob(tr: DensityTracker) -> bytes:
     return tr.sums.astype("<f8").tobytes() + tr.rows.astype("<i8").tobytes()
 
