@@ -33,7 +33,7 @@ from bench.serve_long_prompt import proc_status
 
 NAME = "quantized"
 HEADING = "## Quantized weights"
-PROMPT = 512
+PREFILL = (512, 2048)  # prompt lengths whose prefill is timed (--prefill-tokens)
 DECODE_PROMPT = 256
 
 
@@ -46,7 +46,12 @@ def _ids(n: int, seed: int) -> list[int]:
 # ---- workers (one system per process) ------------------------------------------------------------------
 
 
-def work_engine(model: str, weights: str, repeats: int, decode: int) -> dict:
+def _rates(times: dict[int, list[float]]) -> dict[str, float]:
+    """Prefill tokens/s per prompt length (JSON keys are strings) from the timed repeats."""
+    return {str(n): n / statistics.median(ts) for n, ts in times.items()}
+
+
+def work_engine(model: str, weights: str, repeats: int, decode: int, lengths: list[int]) -> dict:
     import torch
 
     from engine.config import EngineConfig
@@ -57,15 +62,16 @@ def work_engine(model: str, weights: str, repeats: int, decode: int) -> dict:
     m = Transformer.from_directory(resolved.directory, EngineConfig(device="cpu", weights=weights),
                                    fingerprint=resolved.fingerprint)
     m.warmup()
-    prefill, dec = [], []
+    prefill, dec = {n: [] for n in lengths}, []
     with torch.inference_mode():
-        ids = _ids(PROMPT, 0)
-        for r in range(repeats + 1):
-            cache = m.new_cache(PROMPT)
-            t = time.perf_counter()
-            m.forward(cache, ids, density=torch.zeros(PROMPT))
-            if r:
-                prefill.append(time.perf_counter() - t)
+        for n in lengths:
+            ids = _ids(n, 0)
+            for r in range(repeats + 1):
+                cache = m.new_cache(n)
+                t = time.perf_counter()
+                m.forward(cache, ids, density=torch.zeros(n))
+                if r:
+                    prefill[n].append(time.perf_counter() - t)
         ctx = _ids(DECODE_PROMPT, 1)
         for r in range(repeats + 1):
             cache = m.new_cache(DECODE_PROMPT + decode + 16)
@@ -75,23 +81,24 @@ def work_engine(model: str, weights: str, repeats: int, decode: int) -> dict:
                 logits = m.forward(cache, [int(logits.argmax())], density=torch.zeros(DECODE_PROMPT + 1 + i))
             if r:
                 dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec),
+    return {"prefill": _rates(prefill), "decode": decode / statistics.median(dec),
             "rss": proc_status(), "weights": m.weight_format}
 
 
-def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
+def work_transformers(model_dir: str, repeats: int, decode: int, lengths: list[int]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    prefill, dec = [], []
+    prefill, dec = {n: [] for n in lengths}, []
     with torch.inference_mode():
-        ids = torch.tensor([_ids(PROMPT, 0)])
-        for r in range(repeats + 1):
-            t = time.perf_counter()
-            hf(ids, use_cache=True, logits_to_keep=1)
-            if r:
-                prefill.append(time.perf_counter() - t)
+        for n in lengths:
+            ids = torch.tensor([_ids(n, 0)])
+            for r in range(repeats + 1):
+                t = time.perf_counter()
+                hf(ids, use_cache=True, logits_to_keep=1)
+                if r:
+                    prefill[n].append(time.perf_counter() - t)
         ctx = torch.tensor([_ids(DECODE_PROMPT, 1)])
         for r in range(repeats + 1):
             out = hf(ctx, past_key_values=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1)
@@ -101,24 +108,25 @@ def work_transformers(model_dir: str, repeats: int, decode: int) -> dict:
                 out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)
             if r:
                 dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec),
-            "rss": proc_status()}
+    return {"prefill": _rates(prefill), "decode": decode / statistics.median(dec), "rss": proc_status()}
 
 
-def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
+def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int, lengths: list[int]) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf, n_ctx=1024, n_batch=PROMPT, n_ubatch=PROMPT, n_threads=threads,
+    longest = max(lengths)
+    llm = Llama(model_path=gguf, n_ctx=max(1024, longest), n_batch=longest, n_ubatch=512, n_threads=threads,
                 n_threads_batch=threads, logits_all=False, verbose=False)
-    prefill, dec = [], []
-    ids = _ids(PROMPT, 0)
-    for r in range(repeats + 1):
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids)
-        if r:
-            prefill.append(time.perf_counter() - t)
+    prefill, dec = {n: [] for n in lengths}, []
+    for n in lengths:
+        ids = _ids(n, 0)
+        for r in range(repeats + 1):
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(ids)
+            if r:
+                prefill[n].append(time.perf_counter() - t)
     ctx = _ids(DECODE_PROMPT, 1)
     for r in range(repeats + 1):
         llm.reset()
@@ -128,8 +136,7 @@ def work_llamacpp(gguf: str, repeats: int, decode: int, threads: int) -> dict:
             llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
         if r:
             dec.append(time.perf_counter() - t)
-    return {"prefill": PROMPT / statistics.median(prefill), "decode": decode / statistics.median(dec),
-            "rss": proc_status()}
+    return {"prefill": _rates(prefill), "decode": decode / statistics.median(dec), "rss": proc_status()}
 
 
 # ---- driver ---------------------------------------------------------------------------------------------
@@ -173,9 +180,9 @@ def systems(files: dict[str, str], have_llamacpp: bool, formats: list[str]) -> d
     return out
 
 
-def run_worker(args: list[str], repeats: int, decode: int, threads: int) -> dict:
+def run_worker(args: list[str], repeats: int, decode: int, threads: int, lengths: list[int]) -> dict:
     cmd = [sys.executable, "-m", "bench.quantized", "--worker", *args, "--repeats", str(repeats),
-           "--decode-tokens", str(decode), "--threads", str(threads)]
+           "--decode-tokens", str(decode), "--threads", str(threads), "--prefill-tokens", *map(str, lengths)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if r.returncode:
@@ -205,27 +212,35 @@ def cpu_line() -> str:
 def markdown(results: dict, args, seconds: float) -> str:
     lines = [f"Command: `python -m bench.quantized --models {' '.join(args.models)} --formats {' '.join(args.formats)} "
              f"--rounds {args.rounds} --repeats {args.repeats} --threads {args.threads} "
-             f"--decode-tokens {args.decode_tokens}`. Date: {datetime.date.today()}. "
+             f"--decode-tokens {args.decode_tokens} --prefill-tokens {' '.join(map(str, args.prefill_tokens))}`. Date: {datetime.date.today()}. "
              f"Machine: {os.cpu_count()} cores, {cpu_line()}. Each system in its own process, {args.threads} "
              f"threads, order rotated over {args.rounds} rounds; medians of the rounds (each round the median of "
-             f"{args.repeats} repeats). Prefill: {PROMPT} random tokens; decode: {args.decode_tokens} tokens "
+             f"{args.repeats} repeats). Prefill: prompts of random tokens; decode: {args.decode_tokens} tokens "
              f"after a {DECODE_PROMPT}-token prompt. Resident memory at the end of the runs. Run took {seconds / 60:.0f} min.",
              ""]
+    lengths = [str(n) for n in args.prefill_tokens]
+
+    def prefill(a: dict, b: dict) -> str:
+        return ", ".join(f"{a['prefill'][n] / b['prefill'][n]:.2f}x at {n} tokens" for n in lengths)
+
     for model, rows in results.items():
         ref = rows["transformers fp32"]
         lcpp = {k: v for k, v in rows.items() if k.startswith("llama.cpp")}
         lines += [f"Model `{model}`:", "",
-                  "| system | decode, tok/s | vs transformers | prefill, tok/s | vs transformers | RSS, MB (anon / file) |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| system | decode, tok/s | vs transformers | "
+                  + " | ".join(f"prefill {n}, tok/s | vs transformers" for n in lengths) + " | RSS, MB (anon / file) |",
+                  "|---|---:|---:|" + "---:|---:|" * len(lengths) + "---|"]
         for label, r in rows.items():
             rss = r["rss"]
-            lines.append(f"| {label} | {r['decode']:.1f} | {r['decode'] / ref['decode']:.2f}x | {r['prefill']:.0f} | "
-                         f"{r['prefill'] / ref['prefill']:.2f}x | {rss['VmRSS'] >> 20} ({rss['RssAnon'] >> 20} / "
-                         f"{rss['RssFile'] >> 20}) |")
+            lines.append(f"| {label} | {r['decode']:.1f} | {r['decode'] / ref['decode']:.2f}x | "
+                         + " | ".join(f"{r['prefill'][n]:.0f} | {r['prefill'][n] / ref['prefill'][n]:.2f}x" for n in lengths)
+                         + f" | {rss['VmRSS'] >> 20} ({rss['RssAnon'] >> 20} / {rss['RssFile'] >> 20}) |")
         for q, fmt in (("Q4_0", "engine int4 (Q4_0 GGUF)"), ("Q8_0", "engine int8 (Q8_0 GGUF)")):
             if f"llama.cpp {q}" in lcpp and fmt in rows:
                 lines.append(f"\n{fmt} against llama.cpp {q}: decode {rows[fmt]['decode'] / lcpp[f'llama.cpp {q}']['decode']:.2f}x, "
-                             f"prefill {rows[fmt]['prefill'] / lcpp[f'llama.cpp {q}']['prefill']:.2f}x.")
+                             f"prefill {prefill(rows[fmt], lcpp[f'llama.cpp {q}'])}.")
+        if "engine bf16" in rows and "engine fp32" in rows:
+            lines.append(f"\nengine bf16 against engine fp32: prefill {prefill(rows['engine bf16'], rows['engine fp32'])}.")
         lines.append("")
     return "\n".join(lines).rstrip()
 
@@ -240,6 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats inside a worker (default 3)")
     ap.add_argument("--decode-tokens", type=int, default=64, help="decode steps (default 64)")
     ap.add_argument("--threads", type=int, default=2, help="threads every system uses (default 2)")
+    ap.add_argument("--prefill-tokens", type=int, nargs="+", default=list(PREFILL), metavar="N",
+                    help="prompt lengths whose prefill is timed (default 512 2048)")
     ap.add_argument("--files", type=Path, default=Path(os.environ.get("LLMAAS_CACHE_DIR", Path.home() / ".cache/llmaas")) / "bench-models",
                     help="where the model files are written (default: the model cache's bench-models)")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even when installed")
@@ -253,11 +270,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         kind, *rest = args.worker
         if kind == "engine":
-            res = work_engine(rest[0], rest[1], args.repeats, args.decode_tokens)
+            res = work_engine(rest[0], rest[1], args.repeats, args.decode_tokens, args.prefill_tokens)
         elif kind == "transformers":
-            res = work_transformers(rest[0], args.repeats, args.decode_tokens)
+            res = work_transformers(rest[0], args.repeats, args.decode_tokens, args.prefill_tokens)
         else:
-            res = work_llamacpp(rest[0], args.repeats, args.decode_tokens, args.threads)
+            res = work_llamacpp(rest[0], args.repeats, args.decode_tokens, args.threads, args.prefill_tokens)
         print(json.dumps(res))
         return 0
 
@@ -278,12 +295,14 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             order = labels[r % len(labels):] + labels[: r % len(labels)]
             for label in order:
-                res = run_worker(sysmap[label], args.repeats, args.decode_tokens, args.threads)
+                res = run_worker(sysmap[label], args.repeats, args.decode_tokens, args.threads, args.prefill_tokens)
                 samples[label].append(res)
-                print(f"{model} round {r + 1} {label}: decode {res['decode']:.1f} tok/s, prefill "
-                      f"{res['prefill']:.0f} tok/s", file=sys.stderr)
+                rates = ", ".join(f"{t:.0f} at {n}" for n, t in res["prefill"].items())
+                print(f"{model} round {r + 1} {label}: decode {res['decode']:.1f} tok/s, prefill tok/s {rates}",
+                      file=sys.stderr)
         results[model] = {k: {"decode": statistics.median(s["decode"] for s in v),
-                              "prefill": statistics.median(s["prefill"] for s in v), "rss": v[-1]["rss"]}
+                              "prefill": {n: statistics.median(s["prefill"][n] for s in v) for n in v[0]["prefill"]},
+                              "rss": v[-1]["rss"]}
                           for k, v in samples.items()}
     from bench.markdown import publish
 

@@ -144,6 +144,10 @@ class EngineConfig:
     native_attention: bool = True
     """Prefill attention (with density) in the compiled kernel of `engine/attention.c` on CPU float32
     when it builds here; False keeps the torch blockwise kernel (the reference in tests)."""
+    amx_attention: bool = True
+    """With bf16 weights on a CPU with AMX tiles, prefill and recompute attention (16 rows or more) take
+    their two products, Q K^T and P V, in bfloat16 on the tiles (engine/attention_amx.c; softmax, sums
+    and density stay float32); False keeps them float32 (engine/attention.c)."""
     copy_weights: bool = True
     """On the CPU, quantized weights (int4, int8 layers and LM head) are copied out of the mapped
     cache file into this process's memory at load: int4 decode at the 1.2B shape ran 1.17-1.27x

@@ -57,6 +57,7 @@ MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alon
 
 _NO_DELTAS: dict = {}  # a layer's adapter deltas without an adapter (read only; not made anew per layer)
 _ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
+_ATTENTION_AMX: list = []  # [library or None]: engine/attention_amx.c, built and granted the tiles on first use
 
 
 def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -81,6 +82,21 @@ def attention_kernel():
         lib = load_on_torch_team("attention", Path(__file__).with_name("attention.c"))
         _ATTENTION.append(declare_attention(lib) if lib is not None else None)
     return _ATTENTION[0]
+
+
+def amx_attention_kernel():
+    """engine/attention_amx.c with its signature declared, when it builds with the tile instructions here
+    and Linux grants this process the tile state; else None (this CPU or compiler has no AMX, or the
+    native kernels are off)."""
+    if not _ATTENTION_AMX:
+        lib = load_on_torch_team("attention_amx", Path(__file__).with_name("attention_amx.c"))
+        if lib is not None:
+            lib.attn_amx_ready.argtypes, lib.attn_amx_ready.restype = (), ctypes.c_int
+            lib.attn_forward_amx.argtypes = attention_kernel().attn_forward.argtypes
+            lib.attn_forward_amx.restype = ctypes.c_int
+            lib = lib if lib.attn_amx_ready() == 1 else None
+        _ATTENTION_AMX.append(lib)
+    return _ATTENTION_AMX[0]
 
 
 @dataclass(slots=True)
@@ -470,11 +486,13 @@ class Transformer:
         if self.step_hook is not None:
             self.step_hook("attention", layer)
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate_up = w.w_gate_up(h)  # [n, 2 I]
-        if "w_gate_up" in lora:
+        if "w_gate_up" in lora:  # the adapter's deltas join the gate and up rows before the SiLU
+            gate_up = w.w_gate_up.product(h)  # [n, 2 I]
             lora["w_gate_up"].add_into(gate_up, h)
-        gate, up = gate_up.chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
-        act = F.silu(gate, inplace=True).mul_(up)
+            gate, up = gate_up.chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
+            act = F.silu(gate, inplace=True).mul_(up)
+        else:
+            act = w.w_gate_up.swiglu(h)  # [n, I]; bf16 weights: bfloat16
         w.w_down.add_into(x, act)
         if "w_down" in lora:
             lora["w_down"].add_into(x, act)
@@ -539,6 +557,14 @@ class Transformer:
         return (self.engine_cfg.native_attention and self.device.type == "cpu" and self.dtype == torch.float32
                 and self.cfg.head_dim % 16 == 0 and self.cfg.head_dim <= 256 and attention_kernel() is not None)
 
+    @property
+    def amx_attention(self) -> bool:
+        """Whether 16 rows or more take `attn_forward_amx` (engine/attention_amx.c: the two products in
+        bfloat16 on AMX tiles, softmax and density float32) instead of `attn_forward`: bf16 weights,
+        switched on (`EngineConfig.amx_attention`), head dim a multiple of 64, and the tiles usable here."""
+        return (self.engine_cfg.amx_attention and self.engine_cfg.weights == "bf16" and self.compiled_attention
+                and self.cfg.head_dim % 64 == 0 and amx_attention_kernel() is not None)
+
     def _attend_native(self, layer, q, pos, cache, density) -> torch.Tensor:
         """`_attend` in engine/attention.c: the same result up to float32 rounding (tested against the
         naive reference) on the process's torch thread count. 16 rows or more run `attn_forward` (one
@@ -550,6 +576,8 @@ class Transformer:
         lib = attention_kernel()
         many = n >= NATIVE_MIN_ROWS
         kernel = lib.attn_forward if many else lib.attn_rows
+        if many and cache.kv_format == "float" and self.amx_attention:
+            kernel = amx_attention_kernel().attn_forward_amx
         if cache.kv_format == "float":
             k, v = cache.k[layer], cache.v[layer]  # [Hkv, T, D]
         elif many:  # one layer de-quantized: attn_forward copies the keys (transposed) anyway

@@ -176,13 +176,13 @@ def test_the_default_models_q4_1_tensors_repack_exactly(resolved_model):
 
 @pytest.fixture(scope="module")
 def formats(resolved_model):
-    """The default model in fp32, int8, int4 (group 32, int8 head) and int4 group 128."""
+    """The default model in fp32, bf16, int8, int4 (group 32, int8 head) and int4 group 128."""
     from engine.config import EngineConfig
     from engine.model import Transformer
 
     return {name: Transformer.from_directory(resolved_model.directory, EngineConfig(device="cpu", weights=name),
                                              fingerprint=resolved_model.fingerprint)
-            for name in ("fp32", "int8", "int4", "int4-g128", "int4-g128-gptq")}
+            for name in ("fp32", "bf16", "int8", "int4", "int4-g128", "int4-g128-gptq")}
 
 
 def test_tied_model_reads_its_embeddings_from_the_int8_head(formats):
@@ -200,7 +200,8 @@ def test_tied_model_reads_its_embeddings_from_the_int8_head(formats):
 
 def test_perplexity_of_each_format_against_float32(formats, engine):
     """Perplexity on the benchmark suite's real text (three windows of 384 tokens of the Python
-    reference manual): int8 within +1% of float32, int4 group 32 with the int8 head within +3%.
+    reference manual): bf16 within +0.5% of float32 (its products, attention's on AMX tiles where the
+    CPU has them, in bfloat16), int8 within +1%, int4 group 32 with the int8 head within +3%.
     int4 group 128 re-quantizes weights that are already 4-bit in groups of 32 (the default GGUF is
     Q4_1) onto a coarser grid: rounding each weight measured +41% (19.92 -> 28.13), GPTQ on
     calibration text (int4-g128-gptq, engine/gptq.py) +10.8% (22.06), against the +10% issue 27 asks
@@ -220,11 +221,12 @@ def test_perplexity_of_each_format_against_float32(formats, engine):
             nll -= float(lp.gather(1, torch.tensor(window[1:]).unsqueeze(1)).sum())
             count += width - 1
         ppl[name] = math.exp(nll / count)
+    assert ppl["bf16"] <= ppl["fp32"] * 1.005, ppl
     assert ppl["int8"] <= ppl["fp32"] * 1.01, ppl
     assert ppl["int4"] <= ppl["fp32"] * 1.03, ppl
     assert ppl["int4-g128"] <= ppl["fp32"] * 1.50, ppl
     assert ppl["int4-g128-gptq"] <= ppl["fp32"] * 1.12 and ppl["int4-g128-gptq"] < ppl["int4-g128"], ppl
-    assert ppl["int4-g128"] != ppl["int4"] != ppl["fp32"], ppl  # each format really ran its own weights
+    assert len(set(ppl.values())) == len(ppl), ppl  # each format really ran its own weights
 
 
 def test_a_second_load_converts_nothing(resolved_model, formats):
