@@ -165,11 +165,3 @@ class _Recorder:
     def add_into(self, out, x):
         self._add(x)
         return self.lin.add_into(out, x)
-
-    def product(self, x):
-        self._add(x)
-        return self.lin.product(x)
-
-    def swiglu(self, x):
-        self._add(x)
-        return self.lin.swiglu(x)

@@ -486,13 +486,11 @@ class Transformer:
         if self.step_hook is not None:
             self.step_hook("attention", layer)
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        if "w_gate_up" in lora:  # the adapter's deltas join the gate and up rows before the SiLU
-            gate_up = w.w_gate_up.product(h)  # [n, 2 I]
+        gate_up = w.w_gate_up(h)  # [n, 2 I]
+        if "w_gate_up" in lora:
             lora["w_gate_up"].add_into(gate_up, h)
-            gate, up = gate_up.chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
-            act = F.silu(gate, inplace=True).mul_(up)
-        else:
-            act = w.w_gate_up.swiglu(h)  # [n, I]; bf16 weights: bfloat16
+        gate, up = gate_up.chunk(2, dim=-1)  # [n, I] each, views of one [n, 2 I]
+        act = F.silu(gate, inplace=True).mul_(up)
         w.w_down.add_into(x, act)
         if "w_down" in lora:
             lora["w_down"].add_into(x, act)

@@ -74,30 +74,6 @@ def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(a)
 
 
-_ONEDNN_SWIGLU: list = []  # [bool]: whether torch's oneDNN fuses SiLU and a product into a bf16 linear here
-
-
-def onednn_swiglu(device: torch.device) -> bool:
-    """Whether `FloatLinear.swiglu` may use torch's oneDNN linear with fused SiLU and product outputs
-    (`torch.ops.mkldnn._linear_pointwise`, a private op: checked once per process against the plain ops on
-    a small case; off on other devices and where the op is missing or differs)."""
-    if device.type != "cpu":
-        return False
-    if not _ONEDNN_SWIGLU:
-        ok = False
-        try:
-            gen = torch.Generator().manual_seed(0)
-            x, w = (torch.randn(s, generator=gen).to(torch.bfloat16) for s in ((4, 64), (64, 64)))
-            op = torch.ops.mkldnn._linear_pointwise
-            got = op.binary(x, op(x, w[:32], None, "swish", [], ""), w[32:], None, "mul").float()
-            ref = F.silu(F.linear(x, w[:32]).float()) * F.linear(x, w[32:]).float()
-            ok = bool(torch.allclose(got, ref, rtol=0.05, atol=0.05))
-        except (RuntimeError, AttributeError):
-            pass
-        _ONEDNN_SWIGLU.append(ok)
-    return _ONEDNN_SWIGLU[0]
-
-
 class Linear:
     """`y = x W^T + b` for one weight matrix `[n, k]`. Subclasses hold the weight in one format."""
 
@@ -109,18 +85,6 @@ class Linear:
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`out += x W^T + b` in place (the residual adds of a decoder layer); returns `out`."""
         return out.add_(self(x))
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """`x W^T + b` in the dtype the product computes in, for a consumer that takes either (the MLP's
-        gate and up rows): a bf16 weight gives float32 rows a bfloat16 result, sparing two conversion
-        passes; every other weight returns what `__call__` does."""
-        return self(x)
-
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """`silu(x Wg^T) * (x Wu^T)` `[m, n / 2]` for a weight of the gate rows stacked over the up rows
-        (the MLP's fused `[2 I, hidden]`), in the dtype `product` gives."""
-        gate, up = self.product(x).chunk(2, dim=-1)  # views of one [m, 2 I]
-        return F.silu(gate, inplace=True).mul_(up)
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         """The weight as a float tensor `[n, k]` (a copy for quantized formats)."""
@@ -154,24 +118,7 @@ class FloatLinear(Linear):
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None and x.dtype == self.weight.dtype == out.dtype:
             return out.addmm_(x, self.weight.t())
-        if self.bias is None:  # a bf16 product added into float32 rows as it is read (no converted copy)
-            return out.add_(F.linear(x.to(self.weight.dtype), self.weight))
         return out.add_(self(x))
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and x.dtype != self.weight.dtype:
-            return F.linear(x.to(self.weight.dtype), self.weight)
-        return self(x)
-
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """A bf16 weight on the CPU runs the two products in oneDNN with the SiLU and the gate product
-        fused into their outputs (no pass over `[m, 2 I]` activations: 1.0 against 1.25 ms a layer at
-        512 rows of the default model, docs/benchmarks.md "Quantized weights")."""
-        if self.bias is None and self.weight.dtype == torch.bfloat16 and onednn_swiglu(self.weight.device):
-            rows, i = x.to(torch.bfloat16), self.n // 2
-            gate = torch.ops.mkldnn._linear_pointwise(rows, self.weight[:i], None, "swish", [], "")
-            return torch.ops.mkldnn._linear_pointwise.binary(rows, gate, self.weight[i:], None, "mul")
-        return super().swiglu(x)
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         return self.weight.to(dtype)
