@@ -36,8 +36,9 @@ from storage.chunkstore import ChunkStore, ChunkStoreConfig
 #: (2: de-quantizing in torch, 1.7-1.9x faster; 3: the compiled kernels of storage/kvquant.c, ~2x again;
 #: 4: chunk records in one pack per write-back, read in large runs; 5: reads timed as the median of
 #: three after an untimed one, since the first read of a process on a fresh machine built the crc32
-#: kernel inside the timing and fitted T_io a 74 ms intercept, 7x every restore's time)
-PROFILE_VERSION = 5
+#: kernel inside the timing and fitted T_io a 74 ms intercept, 7x every restore's time; 6: with bf16
+#: weights, recompute's attention on AMX tiles, engine/attention_amx.c)
+PROFILE_VERSION = 6
 PROFILE_TOKENS = 1024
 RECOMPUTE_POINTS = (1, 2, 4, 8)
 IO_LEVELS = ("q2", "q4", "q8", "fp16", "raw")

@@ -17,6 +17,7 @@ import datetime
 import statistics
 import sys
 import time
+from pathlib import Path
 
 NAME = "bf16-prefill"
 HEADING = "## Quantized weights"
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], metavar="N",
                     help="prompt lengths (default 512 2048)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    ap.add_argument("--write", help="replace this benchmark's section of a markdown file")
+    ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
     args = ap.parse_args(argv)
 
     import numpy as np
