@@ -20,8 +20,10 @@ Attention of 16 or more rows on the CPU in float32 runs in the compiled kernel o
 (built at first use by `engine.native`; one fused pass per block of rows: scores, softmax, density
 column sums, P V, with blocks sized for the caches, on torch's own OpenMP threads), which prefills
 with density faster than the torch kernel (docs/benchmarks.md, "Engine speed"); fewer rows (decode)
-run its `attn_rows`. Elsewhere (CUDA, no compiler, `EngineConfig.native_attention=False`) the torch
-blockwise kernel `_attend` runs; all are tested against a naive full-matrix reference.
+run its `attn_rows`. With bf16 weights on a CPU with AMX tiles, 16 rows or more run
+`engine/attention_amx.c` instead (its two products in bfloat16 on the tiles, softmax and density in
+float32). Elsewhere (CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
+kernel `_attend` runs; all are tested against a naive full-matrix reference.
 """
 
 from __future__ import annotations
