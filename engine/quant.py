@@ -154,14 +154,16 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate((b & 15, b >> 4), axis=2).reshape(n, 2 * half)
 
 
-def quantize_int4(w: np.ndarray, group: int = 32, *, search: bool = True
+def quantize_int4(w: np.ndarray, group: int = 32, *, search: bool = True, importance: np.ndarray | None = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Float `w` `[n, k]` -> (packed `[n, k/2]` uint8, scale `[n, G]` float16, min `[n, G]` float16).
 
     Each group's range is its minimum to maximum, or (`search`) that range clipped at either end by
     the fractions in `CLIP_STEPS`, whichever gives the group the least squared error: an outlier
-    then costs its own rounding instead of coarsening every other value's. The scale and minimum
-    are rounded to float16 first and the values quantized against the rounded ones."""
+    then costs its own rounding instead of coarsening every other value's. `importance` `[k]` weighs
+    each input's squared error in that search (engine.gptq passes the inputs' second moments, so a
+    range fits the inputs that carry the signal). The scale and minimum are rounded to float16 first
+    and the values quantized against the rounded ones."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise WeightFormatError(f"int4 quantizes matrices, not shape {w.shape}")
@@ -181,7 +183,8 @@ def quantize_int4(w: np.ndarray, group: int = 32, *, search: bool = True
         lo32 = _expand(lo.astype(np.float32), k, group)
         s32 = _expand(safe, k, group)
         q = np.clip(np.rint((w - lo32) / s32), 0, 15)
-        err = _group_sums((q * s32 + lo32 - w) ** 2, group)
+        sq = (q * s32 + lo32 - w) ** 2
+        err = _group_sums(sq if importance is None else sq * importance[None, :], group)
         if best is None:
             best = [q, scale, lo, err]
             continue

@@ -256,6 +256,15 @@ def _convert(pieces: list[Piece], ck: _Checkpoint, gguf: _Gguf | None, fmt: Weig
     return "repacked from the GGUF" if repacked else "converted"
 
 
+def _calibration(fmt: WeightFormat) -> str:
+    """The calibration's version a cache file of `fmt` must record ("" for formats without one)."""
+    if not fmt.calibrated:
+        return ""
+    from engine.gptq import CALIBRATION_VERSION
+
+    return CALIBRATION_VERSION
+
+
 def converted_weights(directory: Path, fingerprint: str, fmt: WeightFormat, pieces: list[Piece], *,
                       tied: bool, heads: int, kv_heads: int, progress: bool = True) -> dict[str, np.ndarray]:
     """The engine tensors of `directory` in `fmt` (not fp32: that is engine.loader.fused_weights), from
@@ -263,10 +272,12 @@ def converted_weights(directory: Path, fingerprint: str, fmt: WeightFormat, piec
     The file records the stamp of the directory it was built from and is rebuilt when that changed."""
     target = cache_root() / "fused" / f"{fingerprint}-{fmt.tag}.safetensors"
     stamp = source_stamp(directory)
+    calibration = _calibration(fmt)
 
     def current() -> bool:
         meta = safetensors_metadata(target)
-        return meta.get("format") == WEIGHTS_FORMAT and meta.get("source") == stamp and meta.get("weights") == fmt.tag
+        return (meta.get("format") == WEIGHTS_FORMAT and meta.get("source") == stamp and meta.get("weights") == fmt.tag
+                and meta.get("calibration", "") == calibration)
 
     if not current():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -285,6 +296,8 @@ def _build(directory, target, fingerprint, fmt, pieces, tied, heads, kv_heads, s
     specs = [s for p in pieces for s in _specs(p, ck, fmt, tied)]
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     meta = {"format": WEIGHTS_FORMAT, "weights": fmt.tag, "fingerprint": fingerprint, "source": stamp}
+    if fmt.calibrated:
+        meta["calibration"] = _calibration(fmt)
     if progress:
         print(f"llmaas: converting the weights to {fmt.tag} once -> {target}", file=sys.stderr)
     tty = progress and sys.stderr.isatty()

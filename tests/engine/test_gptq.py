@@ -30,13 +30,16 @@ def test_gptq_keeps_outputs_closer_than_rounding_in_the_same_layout():
     packed, scale, lo = triple
     rtn = quant.quantize_int4(w.numpy(), group)
     assert packed.shape == rtn[0].shape and packed.dtype == np.uint8
-    assert np.array_equal(scale, rtn[1]) and np.array_equal(lo, rtn[2])  # the groups' ranges are rounding's
+    # the groups' ranges are the range search's with each input's error weighed by its diag(H)
+    ranges = quant.quantize_int4(w.numpy(), group, importance=torch.diag(h).float().numpy())
+    assert np.array_equal(scale, ranges[1]) and np.array_equal(lo, ranges[2])
+    assert not np.array_equal(ranges[1], rtn[1])  # the weights changed some ranges
     err = {name: float((x @ (torch.from_numpy(quant.dequantize_int4(*t, group)) - w).T).norm())
            for name, t in (("gptq", triple), ("rtn", rtn))}
     assert err["gptq"] < 0.7 * err["rtn"], err
 
 
-def test_a_checkpoint_converts_to_a_calibrated_format(resolved_model, tmp_path):
+def test_a_checkpoint_converts_to_a_calibrated_format(resolved_model, tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.config import EngineConfig
@@ -60,3 +63,14 @@ def test_a_checkpoint_converts_to_a_calibrated_format(resolved_model, tmp_path):
     assert err["int4-g64-gptq"] < err["int4-g64"], err
     wq = {w: models[w].w.layers[0].wqkv.dequantized() for w in ("int4-g64", "int4-g64-gptq")}
     assert not torch.equal(wq["int4-g64"], wq["int4-g64-gptq"])  # really calibrated, not rounded
+    # the file is reused while its calibration is current, converted again when the calibration changed
+    import engine.gptq as eg
+    import engine.weightcache as wc
+
+    built, build = [], wc._build
+    monkeypatch.setattr(wc, "_build", lambda *a: (built.append(a[3].tag), build(*a))[1])
+    Transformer.from_directory(root, EngineConfig(weights="int4-g64-gptq"))
+    assert built == []
+    monkeypatch.setattr(eg, "CALIBRATION_VERSION", "gptq-older")
+    Transformer.from_directory(root, EngineConfig(weights="int4-g64-gptq"))
+    assert built == ["int4-g64-gptq"]

@@ -204,9 +204,9 @@ def test_perplexity_of_each_format_against_float32(formats, engine):
     CPU has them, in bfloat16), int8 within +1%, int4 group 32 with the int8 head within +3%.
     int4 group 128 re-quantizes weights that are already 4-bit in groups of 32 (the default GGUF is
     Q4_1) onto a coarser grid: rounding each weight measured +41% (19.92 -> 28.13), GPTQ on
-    calibration text (int4-g128-gptq, engine/gptq.py) +10.8% (22.06), against the +10% issue 27 asks
-    for; the bounds here (+50%, +12%) catch a regression, docs/benchmarks.md ("Quantized weights")
-    has the figures."""
+    calibration text (int4-g128-gptq, engine/gptq.py) +6.9% (21.29): within the +10% issue 27 asks
+    for; +50% for rounding catches a regression, docs/benchmarks.md ("Quantized weights") has the
+    figures."""
     from bench.accuracy import real_text_ids, window_starts
 
     ids = real_text_ids(engine.tok)
@@ -225,7 +225,7 @@ def test_perplexity_of_each_format_against_float32(formats, engine):
     assert ppl["int8"] <= ppl["fp32"] * 1.01, ppl
     assert ppl["int4"] <= ppl["fp32"] * 1.03, ppl
     assert ppl["int4-g128"] <= ppl["fp32"] * 1.50, ppl
-    assert ppl["int4-g128-gptq"] <= ppl["fp32"] * 1.12 and ppl["int4-g128-gptq"] < ppl["int4-g128"], ppl
+    assert ppl["int4-g128-gptq"] <= ppl["fp32"] * 1.10 and ppl["int4-g128-gptq"] < ppl["int4-g128"], ppl
     assert len(set(ppl.values())) == len(ppl), ppl  # each format really ran its own weights
 
 
