@@ -92,6 +92,8 @@ def amx_attention_kernel():
     native kernels are off)."""
     if not _ATTENTION_AMX:
         lib = load_on_torch_team("attention_amx", Path(__file__).with_name("attention_amx.c"))
+        if lib is not None and attention_kernel() is None:  # it takes attn_forward's arguments and decode's kernel
+            lib = None
         if lib is not None:
             lib.attn_amx_ready.argtypes, lib.attn_amx_ready.restype = (), ctypes.c_int
             lib.attn_forward_amx.argtypes = attention_kernel().attn_forward.argtypes
