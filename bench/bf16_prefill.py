@@ -28,11 +28,6 @@ VARIANTS = {
 }
 
 
-def mad(xs: list[float]) -> float:
-    m = statistics.median(xs)
-    return statistics.median(abs(x - m) for x in xs)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6, help="rounds; the variant order rotates (default 6)")
@@ -46,6 +41,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench.quantized import cpu_line
+    from bench.tuning import mad
     from engine.config import EngineConfig
     from engine.loader import resolve_model
     from engine.model import Transformer

@@ -111,6 +111,17 @@ def test_native_attention_matches_full_matrix(engine, pos, threads, build, monke
     assert (density[s_all:] == 0.5).all()
 
 
+class _Recorder:
+    """A kernel library whose calls append their function's name to `calls` before running."""
+
+    def __init__(self, lib, calls: list) -> None:
+        self.lib, self.calls = lib, calls
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+        return lambda *a: (self.calls.append(name), fn(*a))[1]
+
+
 def test_prefill_and_decode_take_their_native_kernels(engine, monkeypatch):
     """On the CPU in float32 every row goes to a compiled kernel: 16 rows or more to attn_forward (also
     against many keys); fewer (decode, short turns) to attn_rows."""
@@ -119,13 +130,7 @@ def test_prefill_and_decode_take_their_native_kernels(engine, monkeypatch):
     model = engine.model
     lib = em.attention_kernel()
     calls = []
-
-    class Recorder:
-        def __getattr__(self, name):
-            fn = getattr(lib, name)
-            return lambda *a: (calls.append(name), fn(*a))[1]
-
-    monkeypatch.setattr(em, "_ATTENTION", [Recorder()])
+    monkeypatch.setattr(em, "_ATTENTION", [_Recorder(lib, calls)])
     cache = model.new_cache(1024)
     cache.reserve(1000)
     q = torch.randn(64, model.cfg.n_heads, model.cfg.head_dim)
@@ -196,17 +201,8 @@ def test_bf16_weights_prefill_on_the_tiles_where_the_cpu_has_them(engine, monkey
     model = engine.model
     amx = em.amx_attention_kernel()
     calls = []
-
-    class Recorder:
-        def __init__(self, lib):
-            self.lib = lib
-
-        def __getattr__(self, name):
-            fn = getattr(self.lib, name)
-            return lambda *a: (calls.append(name), fn(*a))[1]
-
-    monkeypatch.setattr(em, "_ATTENTION", [Recorder(em.attention_kernel())])
-    monkeypatch.setattr(em, "_ATTENTION_AMX", [Recorder(amx) if amx is not None else None])
+    monkeypatch.setattr(em, "_ATTENTION", [_Recorder(em.attention_kernel(), calls)])
+    monkeypatch.setattr(em, "_ATTENTION_AMX", [_Recorder(amx, calls) if amx is not None else None])
     cache = model.new_cache(128)
     cache.reserve(100)
     q = torch.randn(64, model.cfg.n_heads, model.cfg.head_dim)
