@@ -369,6 +369,8 @@ class Transformer:
         n = ids.numel()
         if n == 0:
             raise ValueError("forward needs at least one token")
+        if density is not None and density.numel() < cache.length + n:  # the kernels write density[:length + n]
+            raise ValueError(f"density of {density.numel()} entries for a context of {cache.length + n} tokens")
         start = cache.reserve(n)
         if start + n > self.cos.shape[0]:
             cache.truncate(start)

@@ -63,3 +63,16 @@ def test_a_partition_bounds_the_transient_memory(engine, monkeypatch):
     part = max(e.peak for e in estimate_steps(shape, 256, 512)) + 4 * 512 * cfg.hidden_size
     assert abs(one / peaks[0] - 1) < 0.2 and abs(part / peaks[256] - 1) < 0.2, (one, part, peaks)
     assert peaks[256] < 0.5 * peaks[0]
+
+
+def test_a_short_density_is_refused_before_any_work(engine):
+    """The kernels add into `density[:length + n]`: a shorter tensor is refused, the context unchanged
+    (the compiled kernel would have written past its end)."""
+    model = engine.model
+    cache = model.new_cache(64)
+    model.forward(cache, [5, 6, 7], density=torch.zeros(3))
+    with pytest.raises(ValueError, match="density of 3 entries for a context of 4 tokens"):
+        model.forward(cache, [8], density=torch.zeros(3))
+    assert cache.length == 3
+    model.forward(cache, [8], density=torch.zeros(4))
+    assert cache.length == 4
