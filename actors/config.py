@@ -41,6 +41,11 @@ class RagConfig:
     """Answer similar questions from the QA bank (off: the RAGCache-like and Naive baselines)."""
     kv_tree: bool = True
     """Reuse passages' K/V from the K/V tree (off: the MeanCache-like and Naive baselines)."""
+    blend_ratio: float = 0.0
+    """Off (0): a passage's K/V is reused only after exactly its cached prefix, so replies equal a whole
+    prefill's. Above 0 (CacheBlend): when every passage past the cached prefix has a node on another
+    path, their K/V is moved to this prompt's slots and this share of its tokens, those the rest of the
+    prompt attends to most, recomputed; replies may differ (docs/benchmarks.md, "RAG cache")."""
     tree_cap_bytes: int = 2 << 30
     """Bytes of node K/V kept per app, on disk or in the pool (LFU eviction past it, PerCache §4.1.1).
     Nodes are raw (pinned exact): for the default model about 46 KB a token, 17 MB a three-passage
@@ -60,6 +65,10 @@ class RagConfig:
     """Queries predicted per round (PerCache's prediction stride)."""
     mains_only: bool = False
     """Predict only on mains power (where the system reports a battery)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.blend_ratio <= 1.0:
+            raise ValueError(f"rag.blend_ratio must be within [0, 1], got {self.blend_ratio!r}")
 
 
 @dataclass(slots=True)

@@ -295,6 +295,22 @@ class NodeSpan:
     """One past its last slot."""
 
 
+@dataclass(frozen=True, slots=True)
+class BlendSpan:
+    """A passage whose K/V a RAG call takes from a node of another retrieval path (CacheBlend): the node
+    computed it at slots `[source, source + end - start)` after another prefix; placed at `[start, end)`
+    with its keys turned by the slots between, then partly recomputed. Approximate: never saved as a node."""
+
+    key: str
+    """The donor node's chunk-store key."""
+    source: int
+    """The donor's first slot in its own prompt."""
+    start: int
+    """The passage's first slot in this prompt."""
+    end: int
+    """One past its last slot."""
+
+
 @dataclass(slots=True)
 class RagCall:
     """What the executor runs for one RAG prompt: the K/V of `load` read into the first slots, the rest
@@ -320,6 +336,11 @@ class RagCall:
     deadline: float | None = None
     """`time.time()` past which the call stops before its next node, layer or token (`CallTimeoutError`;
     nothing is written). None: no deadline."""
+    blend: list[BlendSpan] = field(default_factory=list)
+    """Passages after `load` whose K/V comes from other paths' nodes, in order, tiling the slots from
+    `load[-1].end`; `save` is then empty (`RagConfig.blend_ratio`)."""
+    blend_ratio: float = 0.0
+    """The share of `blend`'s tokens recomputed (those the rest of the prompt attends to most)."""
 
 
 @dataclass(slots=True)
@@ -333,7 +354,7 @@ class RagOutcome:
     finish_reason: str
     """As `CallOutcome.finish_reason`; "" when not decoded."""
     reused_tokens: int
-    """Prompt tokens whose K/V came from cached nodes."""
+    """Prompt tokens whose K/V came from cached nodes of this path (exact reuse)."""
     loaded: list[str]
     """Keys of the nodes read (a node that failed to read, and every node after it, is recomputed)."""
     saved: dict[str, int]
@@ -346,3 +367,11 @@ class RagOutcome:
     """Seconds decoding after the first token."""
     save_s: float
     """Seconds encoding and writing new nodes."""
+    blended: list[str] = field(default_factory=list)
+    """Keys of the donor nodes whose K/V was placed (`RagCall.blend`; a failed read ends the blend)."""
+    blended_tokens: int = 0
+    """Prompt tokens whose K/V came from donor nodes, recomputed ones included."""
+    recomputed_tokens: int = 0
+    """Of those, the tokens recomputed."""
+    blend_s: float = 0.0
+    """Seconds reading, moving and partly recomputing the donors' K/V."""

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from actors.messages import KVKey, NodeSpan, PreemptedError, RagCall, RagOutcome, check_deadline
+from actors.messages import BlendSpan, KVKey, NodeSpan, PreemptedError, RagCall, RagOutcome, check_deadline
 from storage import codecs
 
 RECORD_TOKENS = 16
@@ -103,6 +103,10 @@ def stream_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
         put_span(ctx.cache, node.start, kv)
         loaded.append(node.key)
     redo = call.load[len(loaded):]
+    t_blend = time.perf_counter()
+    blended, picked = [], []
+    if call.blend and not redo:
+        blended, picked = _blend(engine.model, ctx, io, call, adapter, check)
     t1 = time.perf_counter()
     # progress: an event per layer, so that `check` runs between layers of a long prefill
     stream = engine.generate(ctx, sp, progress=should_stop is not None or call.deadline is not None)
@@ -123,11 +127,33 @@ def stream_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
         text=res.text if call.decode else "",
         token_ids=res.token_ids if call.decode else [],
         finish_reason=res.finish_reason if call.decode else "",
-        reused_tokens=res.cached_tokens,
+        reused_tokens=res.cached_tokens - sum(b.end - b.start for b in blended),
         loaded=loaded,
         saved=saved,
-        load_s=t1 - t0,
+        load_s=t_blend - t0,
         prefill_s=res.ttft_s,
         decode_s=(t2 - t1) - res.ttft_s,
         save_s=t3 - t2,
+        blended=[b.key for b in blended],
+        blended_tokens=sum(b.end - b.start for b in blended),
+        recomputed_tokens=len(picked),
+        blend_s=t1 - t_blend,
     )
+
+
+def _blend(model, ctx, io, call: RagCall, adapter, check) -> tuple[list[BlendSpan], list[int]]:
+    """Place the donors' K/V of `call.blend` after the loaded nodes, moved to their slots, until one
+    fails to read; then recompute `call.blend_ratio` of their tokens (`engine.rag.blend_rows`)."""
+    from engine.rag import blend_rows, put_span, shift_span
+
+    done: list[BlendSpan] = []
+    for b in call.blend:
+        check()
+        kv = load_node(io, NodeSpan(b.key, b.source, b.source + b.end - b.start), call.adapter)
+        if kv is None or kv.dtype != np.float32 or ctx.cache.length != b.start:
+            break
+        put_span(ctx.cache, b.start, shift_span(model, kv, b.start - b.source))
+        done.append(b)
+    picked = blend_rows(model, ctx.cache, ctx.token_ids, [(b.start, b.end) for b in done], call.blend_ratio,
+                        adapter) if done else []
+    return done, picked

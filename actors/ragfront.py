@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from actors.config import RagConfig
-from actors.messages import KVKey, NodeSpan, RagCall, RagOutcome
+from actors.messages import BlendSpan, KVKey, NodeSpan, RagCall, RagOutcome
 from actors.rag import node_key
 from scheduler.ragcache import QAEntry, match_query, missing_kv, plan_qa_eviction, refresh_candidates
 from scheduler.ragtree import KVTree, plan_tree_eviction
@@ -49,7 +49,7 @@ class RagAnswer:
     reused_chunks: int
     """Passages whose K/V came from the tree."""
     reused_tokens: int
-    """Passage tokens whose K/V came from the tree."""
+    """Passage tokens whose K/V came from the tree, exactly (nodes of this retrieval path)."""
     retrieved_tokens: int
     """Passage tokens in the prompt (the K/V hit rate's denominator)."""
     prompt_tokens: int
@@ -58,6 +58,11 @@ class RagAnswer:
     """Seconds by stage: `embed`, `retrieve`, `load`, `prefill`, `decode` (and `save`)."""
     similarity: float | None = None
     """For a QA bank answer, the stored question's cosine similarity."""
+    blended_tokens: int = 0
+    """Passage tokens whose K/V came from nodes of other paths, moved and partly recomputed
+    (`RagConfig.blend_ratio`; approximate, unlike `reused_tokens`)."""
+    recomputed_tokens: int = 0
+    """Of `blended_tokens`, those recomputed."""
 
 
 class RagCache:
@@ -133,14 +138,20 @@ class RagCache:
         path = [int(h.chunk) for h in hits]
         prompt = self.template.build([list(h.token_ids) for h in hits], question)
         with self._tree_lock:  # not held while the model runs: a real query never waits for idle work's
-            call, matched = self._plan(app, adapter, path, prompt, decode, params)
+            # idle work populates exact nodes; only a real reply may take other paths' K/V
+            call, matched, donors = self._plan(app, adapter, path, prompt, decode, params,
+                                               blend=decode and not background and not predicted)
             call.background, call.deadline = background, deadline
         # a node evicted meanwhile fails to read and is recomputed (`actors.rag.stream_rag_call`)
         out = (yield from self._streamed(call)) if streamed else self.run(call)
         reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
         with self._tree_lock:
-            self._update_tree(app, adapter, path, prompt, out, matched[:reused_nodes])
+            used = [d for d, b in zip(donors, call.blend) if b.key in out.blended]
+            self._update_tree(app, adapter, path[:len(matched)] if call.blend else path, prompt, out,
+                              matched[:reused_nodes] + used)
         lat.update(load=out.load_s, prefill=out.prefill_s, decode=out.decode_s, save=out.save_s)
+        if out.blended:
+            lat["blend"] = out.blend_s
         passage_tokens = prompt.question - prompt.head
         reused_tokens = max(0, out.reused_tokens - prompt.head) if reused_nodes else 0
         if cfg.qa_bank and (decode or predicted):
@@ -149,10 +160,11 @@ class RagCache:
                 self.store.delete_qa(app, [replaces])
         yield RagAnswer(
             answer=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-            level="kv_tree" if reused_nodes else "miss",
+            level="kv_tree" if reused_nodes or out.blended else "miss",
             sources=[{"document": h.document, "chunk": int(h.chunk), "score": float(h.score)} for h in hits],
             reused_chunks=reused_nodes, reused_tokens=reused_tokens, retrieved_tokens=passage_tokens,
-            prompt_tokens=len(prompt.ids), latency=lat)
+            prompt_tokens=len(prompt.ids), latency=lat, blended_tokens=out.blended_tokens,
+            recomputed_tokens=out.recomputed_tokens)
 
     def _streamed(self, call: RagCall):
         """The model's call through `run_stream`: yields its text deltas, returns its `RagOutcome`."""
@@ -186,19 +198,31 @@ class RagCache:
             reused_chunks=0, reused_tokens=0, retrieved_tokens=0, prompt_tokens=0, latency=lat,
             similarity=float(sim))
 
-    def _plan(self, app, adapter, path, prompt, decode, params) -> tuple[RagCall, list]:
-        """The call: the head and the longest cached prefix of `path` to load, the rest to save."""
+    def _plan(self, app, adapter, path, prompt, decode, params, *, blend: bool) -> tuple[RagCall, list, list]:
+        """The call: the head and the longest cached prefix of `path` to load, the rest to save; with
+        `blend` and `RagConfig.blend_ratio`, when every passage past the prefix has a node on another
+        path, those nodes' K/V instead (and nothing saved). Returns the call, the matched nodes and the
+        donor nodes."""
         key = self._key(app, adapter)
         spans = [NodeSpan(node_key(key, path[:i + 1]), a, b) for i, (a, b) in enumerate(prompt.spans)]
         head = NodeSpan(node_key(key, ()), 0, prompt.head)
         if not self.config.kv_tree:
-            return RagCall(app, adapter, prompt.ids, [], [], params, decode), []
+            return RagCall(app, adapter, prompt.ids, [], [], params, decode), [], []
         tree = self.tree(app, adapter)
         cached_head = self._heads[(app, adapter)] > 0
         matched = tree.match(path) if cached_head else []
         load = [head, *spans[:len(matched)]] if cached_head else []
         save = ([] if cached_head else [head]) + spans[len(matched):]
-        return RagCall(app, adapter, prompt.ids, load, save, params, decode), matched
+        call = RagCall(app, adapter, prompt.ids, load, save, params, decode)
+        rest = list(zip(path[len(matched):], prompt.spans[len(matched):]))
+        donors = [tree.donor(c) for c, _ in rest] if blend and cached_head and self.config.blend_ratio > 0 else []
+        if rest and len(donors) == len(rest) and all(d is not None and d.tokens == b - a
+                                                     for d, (_c, (a, b)) in zip(donors, rest)):
+            call.blend = [BlendSpan(node_key(key, tree.path_of(d.node_id)), prompt.head + tree.offset(d.node_id), a, b)
+                          for d, (_c, (a, b)) in zip(donors, rest)]
+            call.blend_ratio, call.save = self.config.blend_ratio, []
+            return call, matched, donors
+        return call, matched, []
 
     def _update_tree(self, app, adapter, path, prompt, out: RagOutcome, reused) -> None:
         if not self.config.kv_tree:
@@ -209,7 +233,7 @@ class RagCache:
             self.store.set_head(app, adapter, out.saved[head])
             self._heads[(app, adapter)] = out.saved[head]
         sizes = [out.saved.get(node_key(key, path[:i + 1]), 0) for i in range(len(path))]
-        new = tree.insert(path, [b - a for a, b in prompt.spans], sizes, now)
+        new = tree.insert(path, [b - a for a, b in prompt.spans[:len(path)]], sizes, now)
         for n in tree.match(path):  # nodes saved again after a failed load carry their new size
             size = out.saved.get(node_key(key, tree.path_of(n.node_id)))
             if size:

@@ -55,7 +55,12 @@ SYSTEMS = {  # name -> RagConfig switches (qa_bank, kv_tree) and whether the pre
     "RAGCache+MeanCache": dict(qa_bank=True, kv_tree=True, predict=False),
     "RAGCache+SC": dict(qa_bank=False, kv_tree=True, predict=True),
     "PerCache": dict(qa_bank=True, kv_tree=True, predict=True),
+    # beyond PerCache (CacheBlend): passages cached after another prefix, moved and partly recomputed
+    "RAGCache+blend": dict(qa_bank=False, kv_tree=True, predict=False, blend=True),
+    "PerCache+blend": dict(qa_bank=True, kv_tree=True, predict=True, blend=True),
 }
+DEFAULT_SYSTEMS = [s for s, knobs in SYSTEMS.items() if not knobs.get("blend")]
+"""PerCache §5.2's systems (the blending ones run when asked: `--systems`)."""
 NAIVE, OURS, NO_PREDICTION, EXACT = "Naive", "PerCache", "RAGCache+MeanCache", "RAGCache-like"
 LATENCY_FLOOR, LATENCY_GOAL = 0.15, 0.30
 """PerCache's mean latency below the best other system's, as a fraction of the latter."""
@@ -132,6 +137,8 @@ class Query:
     answer: str
     stages: dict = field(default_factory=dict)  # RagAnswer.latency: seconds by stage (embed, retrieve, ...)
     token_ids: list[int] = field(default_factory=list)  # the reply's ids (empty from the QA bank)
+    blended_tokens: int = 0  # passage tokens whose K/V came from other paths' nodes (RagAnswer's)
+    recomputed_tokens: int = 0  # of those, recomputed
 
 
 @dataclass(slots=True)
@@ -180,8 +187,10 @@ class Executor:
 def rag_config(args, system: str, **overrides):
     from actors.config import RagConfig
 
+    switches = {k: v for k, v in SYSTEMS[system].items() if k != "blend"}
     knobs = dict(k=args.k, max_tokens=args.max_tokens, tau_query=args.tau_query, stride=args.stride,
-                 idle_after_s=args.idle_after, predict_budget_s=args.budget, **SYSTEMS[system])
+                 idle_after_s=args.idle_after, predict_budget_s=args.budget, **switches,
+                 blend_ratio=args.blend_ratio if SYSTEMS[system].get("blend") else 0.0)
     if args.tree_cap_mib:
         knobs["tree_cap_bytes"] = args.tree_cap_mib << 20
     return RagConfig(**{**knobs, **overrides})
@@ -225,10 +234,11 @@ def run_one(engine, embedder, user: str, which: str, system: str, args, setting:
             ex.last = clock.t
             out.queries.append(Query(q["id"], q["group"] or "", ans.level, e2e, ans.reused_tokens,
                                      ans.retrieved_tokens, ans.prompt_tokens, ans.answer, dict(ans.latency),
-                                     list(ans.token_ids)))
+                                     list(ans.token_ids), ans.blended_tokens, ans.recomputed_tokens))
             log(f"[{label}] {i + 1}/{len(qs)} {q['id']}: {ans.level}, {e2e:.2f} s ("
                 + ", ".join(f"{k} {v:.2f}" for k, v in ans.latency.items()) + f"), reused "
-                f"{ans.reused_tokens}/{ans.retrieved_tokens} tokens")
+                f"{ans.reused_tokens}/{ans.retrieved_tokens} tokens"
+                + (f", blended {ans.blended_tokens} ({ans.recomputed_tokens} recomputed)" if ans.blended_tokens else ""))
         out.cache_bytes = pred.store.total_bytes()
     finally:
         pred.close()
@@ -293,6 +303,7 @@ def stats(runs: list[Run], ref: dict, score) -> dict:
         "mean_s": mean(q.e2e_s for q in qs), "p90_s": percentile([q.e2e_s for q in qs], 0.9),
         "qa_hit": mean(q.level == "qa_bank" for q in qs),
         "kv_hit": sum(q.reused_tokens for q in qs) / retrieved if retrieved else 0.0,
+        "blend_hit": sum(q.blended_tokens for q in qs) / retrieved if retrieved else 0.0,
         "idle_model_s": sum(r.idle_model_s for r in runs), "idle_tick_s": sum(r.idle_tick_s for r in runs),
         "rounds": sum(r.rounds for r in runs), "predicted": sum(r.predicted for r in runs),
         "cache_bytes": sum(sum(r.cache_bytes.values()) for r in runs),
@@ -319,7 +330,8 @@ def floors(per: dict[str, dict], baseline: float | None) -> list[dict]:
     `"detail"}`."""
     out = []
     ours = per.get(OURS)
-    others = {s: v for s, v in per.items() if s != OURS and v["mean_s"] is not None}
+    others = {s: v for s, v in per.items()  # baselines only: the blending systems are this project's too
+              if s != OURS and not SYSTEMS[s].get("blend") and v["mean_s"] is not None}
     if ours and others:
         best = min(others, key=lambda s: others[s]["mean_s"])
         cut = 1 - ours["mean_s"] / others[best]["mean_s"]
@@ -371,9 +383,9 @@ def summarise(runs: list[Run], score) -> dict:
 
 # ---- output ------------------------------------------------------------------------------------------------
 
-STAGES = ("embed", "retrieve", "load", "prefill", "decode", "save")
+STAGES = ("embed", "retrieve", "load", "blend", "prefill", "decode", "save")
 CSV_FIELDS = ("which", "user", "system", "setting", "question", "group", "level", "e2e_s", "reused_tokens",
-              "retrieved_tokens", "prompt_tokens", *(f"{k}_s" for k in STAGES), "answer")
+              "blended_tokens", "recomputed_tokens", "retrieved_tokens", "prompt_tokens", *(f"{k}_s" for k in STAGES), "answer")
 
 
 def write_results(runs: list[Run], summary: dict, meta: dict, out: Path) -> None:
@@ -396,12 +408,15 @@ def _num(x, fmt: str) -> str:
 
 
 def table(per: dict[str, dict], first: str = "system") -> list[str]:
-    lines = [f"| {first} | mean s | p90 s | QA hit | K/V hit | idle model-s | cache MiB (K/V + QA) | ROUGE-L vs Naive |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    blend = any(s.get("blend_hit") for s in per.values())  # columns of the blending systems, when run
+    lines = [f"| {first} | mean s | p90 s | QA hit | K/V hit | idle model-s | cache MiB (K/V + QA) | ROUGE-L vs Naive |"
+             + (" blend hit | replies = Naive's |" if blend else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if blend else "")]
     for name, s in per.items():
         lines.append(f"| {name} | {_num(s['mean_s'], '.3f')} | {_num(s['p90_s'], '.3f')} | {_num(s['qa_hit'], '.1%')} | "
                      f"{s['kv_hit']:.1%} | {s['idle_model_s']:.1f} | {s['kv_bytes'] / 2**20:.1f} + "
-                     f"{s['qa_bytes'] / 2**20:.2f} | {_num(s['rouge_l'], '.3f')} |")
+                     f"{s['qa_bytes'] / 2**20:.2f} | {_num(s['rouge_l'], '.3f')} |"
+                     + (f" {s['blend_hit']:.1%} | {s['identical']}/{s['compared']} |" if blend else ""))
     return lines
 
 
@@ -416,6 +431,11 @@ def markdown(summary: dict, meta: dict) -> str:
              f"wall time of `QueryPredictor.query` (embedding, retrieval, model). K/V hit: reused passage tokens / "
              f"retrieved passage tokens. Idle model-s: the predictor's rounds, apart from the latency. Quality: "
              f"{meta['rouge']}.", ""]
+    if any(st.get("blend_hit") for s in summary.values() for st in s["systems"].values()):
+        lines += [f"The +blend systems place passages cached after another prefix at this prompt's slots (keys turned "
+                  f"by RoPE) and recompute {meta.get('blend_ratio', 0):.0%} of their tokens, those the rest of the prompt "
+                  f"attends to most (CacheBlend). Blend hit: such tokens / retrieved passage tokens. Replies = Naive's: "
+                  f"token-identical replies among those not served by the QA bank.", ""]
     for which, s in summary.items():
         lines += [f"Question set `{which}`:", "", *table(s["systems"]), "",
                   f"Paraphrase baseline (Naive against Naive within a group): {_num(s['paraphrase_rouge_l'], '.3f')}.", ""]
@@ -490,13 +510,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(
         prog="python -m bench.rag", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Systems: " + ", ".join(SYSTEMS) + ". Progress goes to stderr; the results section to stdout.")
+        epilog="Systems: " + ", ".join(SYSTEMS) + " (the +blend ones only when named). Progress goes to stderr; the results section to stdout.")
     ap.add_argument("--users", nargs="+", default=rag_data.users(), choices=rag_data.users(),
                     help="users of bench.rag_data (default all)")
     ap.add_argument("--which", choices=["main", "heldout", "both"], default="both",
                     help="question set; the floors are checked on each (default both)")
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), metavar="SYSTEM",
-                    help="systems to run (default all); Naive is the answers' reference")
+    ap.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=list(SYSTEMS), metavar="SYSTEM",
+                    help="systems to run (default all but the +blend ones); Naive is the answers' reference")
+    ap.add_argument("--blend-ratio", type=float, default=0.15,
+                    help="share of blended passage tokens recomputed by the +blend systems (default 0.15)")
     ap.add_argument("--k", type=int, default=3, help="passages retrieved per query (default 3)")
     ap.add_argument("--max-tokens", type=int, default=32, help="reply length, tokens (default 32)")
     ap.add_argument("--tau-query", type=float, default=0.85, help="QA bank similarity threshold (default 0.85)")
@@ -522,6 +544,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.tree_cap_mib < 0:
         ap.error("--tree-cap-mib must be at least 0")
+    if not 0 <= args.blend_ratio <= 1:
+        ap.error("--blend-ratio must be within [0, 1]")
     if args.gap <= 0 or args.limit < 0 or args.k < 1 or args.max_tokens < 1 or args.stride < 1:
         ap.error("--gap, --k, --max-tokens and --stride must be positive, --limit at least 0")
     if args.sensitivity and OURS not in args.systems:
@@ -554,7 +578,7 @@ def main(argv=None) -> int:
             "machine": machine(), "runtime_s": runtime, "users": args.users, "k": args.k, "max_tokens": args.max_tokens,
             "tau_query": args.tau_query, "stride": args.stride, "gap_s": args.gap, "idle_after_s": args.idle_after,
             "budget_s": args.budget, "tree_cap_mib": rag_config(args, NAIVE).tree_cap_bytes >> 20, "limit": args.limit,
-            "rouge": rouge_name, "fingerprint": engine.fingerprint}
+            "rouge": rouge_name, "fingerprint": engine.fingerprint, "blend_ratio": args.blend_ratio}
     write_results(runs, summary, meta, args.out)
     log(f"bench.rag: wrote {args.out / 'queries.csv'} and {args.out / 'summary.json'}")
     if args.plot:

@@ -38,7 +38,8 @@ def rag_reply(a: dict) -> dict:
     """The JSON reply of a RAG query from its `actors.ragfront.RagAnswer` (as a dict)."""
     return {"answer": a["answer"], "finish_reason": a["finish_reason"], "sources": a["sources"],
             "cache": {"level": a["level"], "chunks_reused": a["reused_chunks"], "tokens_reused": a["reused_tokens"],
-                      "retrieved_tokens": a["retrieved_tokens"], "similarity": a["similarity"]},
+                      "retrieved_tokens": a["retrieved_tokens"], "similarity": a["similarity"],
+                      "tokens_blended": a.get("blended_tokens", 0), "tokens_recomputed": a.get("recomputed_tokens", 0)},
             "latency": a["latency"],
             "usage": {"prompt_tokens": a["prompt_tokens"], "completion_tokens": len(a["token_ids"]),
                       "total_tokens": a["prompt_tokens"] + len(a["token_ids"])}}

@@ -199,6 +199,12 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
 
 def rope_tables(cfg: ModelConfig, n_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables `[n_positions, D]` in float32 (half-rotation layout, as Hugging Face Llama)."""
+    return rope_angles(cfg, torch.arange(n_positions, dtype=torch.int64).float(), device)
+
+
+def rope_angles(cfg: ModelConfig, t: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[len(t), D]` of positions `t` (float, any sign: a rotation by `-p` undoes one by `p`,
+    since the angles are linear in the position under every scaling kind here)."""
     r = cfg.rope
     d = cfg.head_dim
     inv = 1.0 / (r.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
@@ -212,7 +218,6 @@ def rope_tables(cfg: ModelConfig, n_positions: int, device) -> tuple[torch.Tenso
         scaled = torch.where(wl > low_wl, inv / r.factor, inv)
         mid = (wl <= low_wl) & (wl >= high_wl)
         inv = torch.where(mid, (1 - smooth) * inv / r.factor + smooth * inv, scaled)
-    t = torch.arange(n_positions, dtype=torch.int64).float()
     freqs = torch.outer(t, inv)  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     return emb.cos().to(device), emb.sin().to(device)
@@ -450,6 +455,23 @@ class Transformer:
         if job.next_layer == self.cfg.n_layers:
             self.recomputed_rows += job.pos.numel()
             cache.mark_present(job.chunks)
+
+    @torch.no_grad()
+    def recompute_rows(self, cache: KVCache, token_ids, positions, *, adapter: Adapter | None = None) -> None:
+        """Recompute the K/V of the rows at `positions` (ascending, below `cache.length`) through every
+        layer, each row attending at each layer to the cache's K/V as it then is: the rows' own, just
+        written, and the rest's as given (CacheBlend's selective recompute over reused K/V). With every
+        row of a span given, the span's K/V is that of a prefill after what the cache holds before it."""
+        pos = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        if pos.numel() == 0:
+            return
+        if bool((pos[1:] <= pos[:-1]).any()) or int(pos[0]) < 0 or int(pos[-1]) >= cache.length:
+            raise ValueError(f"rows to recompute must ascend within the {cache.length} computed slots")
+        ids = torch.as_tensor(np.asarray(token_ids)[pos.cpu().numpy()], dtype=torch.long, device=self.device)
+        x = self.w.embed(ids)
+        for layer in range(self.cfg.n_layers):
+            x = self._layer(layer, x, pos, cache, contiguous=False, density=None, sdpa=False, adapter=adapter)
+        self.recomputed_rows += pos.numel()
 
     def recompute(self, cache: KVCache, token_ids, chunks, *, adapter: Adapter | None = None) -> None:
         """Recompute `chunks` through all layers, exactly (global positions, causal mask)."""

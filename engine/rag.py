@@ -10,6 +10,10 @@ one string tokenized whole: the head (system turn and the user turn's opening), 
 (as the knowledge bank stored them) followed by a separator, then the question and the template's
 tail. So a passage's ids are the same in every prompt that retrieves it, and its K/V depends only on
 what comes before it: the K/V tree (PerCache §4.1.1) keys a node by that path and reuses it exactly.
+
+A passage cached after another prefix can be reused approximately (CacheBlend; `RagConfig.blend_ratio`):
+`shift_span` moves its K/V to this prompt's slots (keys turned by RoPE), and `blend_rows` recomputes
+the share of its tokens the rest of the prompt attends to most.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from engine.chat import SENTINEL, ChatTokenizer
 from engine.kvcache import KVCache
+from engine.model import apply_rope, rope_angles
 
 RAG_SYSTEM_PROMPT = ("Answer the question using the passages below. If they do not hold the answer, "
                      "say so in one sentence.")
@@ -105,3 +110,48 @@ def put_span(cache: KVCache, start: int, kv: np.ndarray) -> None:
         cache.truncate(start)
         raise ValueError(f"K/V of shape {tuple(t.shape)} does not fit slots of shape {tuple(view.shape)}")
     view.copy_(t.to(view.device))
+
+
+def shift_keys(cfg, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """Keys `[..., T, D]` of a model of config `cfg` rotated by RoPE as if computed `delta` positions
+    later (negative: earlier): rotations compose, so K at position `p + delta` is K at `p` turned by
+    `delta`. Values carry no position."""
+    cos, sin = rope_angles(cfg, torch.tensor([float(delta)]), keys.device)
+    d = keys.shape[-1]
+    turned = apply_rope(keys.reshape(-1, 1, d), cos.to(keys.dtype).view(1, 1, d),
+                        sin[:, : d // 2].to(keys.dtype).view(1, 1, d // 2))
+    return turned.view(keys.shape)
+
+
+def shift_span(model, kv: np.ndarray, delta: int) -> np.ndarray:
+    """A span's float32 K/V (as `span_kv` gives it) moved `delta` slots later (negative: earlier): its
+    keys turned (`shift_keys`), its values as they are."""
+    if kv.dtype != np.float32:
+        raise ValueError(f"only float32 K/V can be moved to other slots, not {kv.dtype}")
+    out = kv.copy()
+    keys = torch.from_numpy(out[:, 0])  # [L, Hkv, T, D], a view of `out`
+    keys.copy_(shift_keys(model.cfg, keys, delta))
+    return out
+
+
+def blend_rows(model, cache: KVCache, ids: list[int], spans: list[tuple[int, int]], ratio: float,
+               adapter=None) -> list[int]:
+    """CacheBlend's selective recompute over K/V reused from other prompts (`spans`, `[start, end)`,
+    filled in the cache, which ends at the last span): the rest of the prompt is prefilled once to
+    measure the attention each reused token receives from it (its information density for this
+    query), the cache is cut back, and the `ratio` of reused tokens it attends to most are recomputed
+    through every layer (`Transformer.recompute_rows`). Returns their positions."""
+    end = cache.length
+    rows = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else np.zeros(0, np.int64)
+    n = min(len(rows), int(np.ceil(ratio * len(rows))))
+    if n == 0 or end >= len(ids):
+        return []
+    density = torch.zeros(len(ids), dtype=torch.float32, device=model.device)
+    try:
+        model.forward(cache, ids[end:], density=density, adapter=adapter)
+    finally:
+        cache.truncate(end)
+    score = density.cpu().numpy()[rows]
+    pick = np.sort(rows[np.argsort(-score, kind="stable")[:n]])
+    model.recompute_rows(cache, ids, pick.tolist(), adapter=adapter)
+    return pick.tolist()

@@ -152,6 +152,21 @@ class KVTree:
             kids = node.children
         return out
 
+    def donor(self, chunk_id: int) -> KVNode | None:
+        """A stored node of ``chunk_id`` after any prefix, for a retrieval that reaches the chunk after
+        another one (CacheBlend's reuse, approximate: the caller recomputes part of it): the most
+        reused, then the most recently used, then the lowest id; None when the tree has none."""
+        nodes = [self._nodes[n] for n in self._by_chunk.get(ChunkId(chunk_id), ()) if self._nodes[n].nbytes > 0]
+        return max(nodes, key=lambda n: (n.hits, n.last_use, -n.node_id), default=None)
+
+    def offset(self, node_id: int) -> int:
+        """Tokens of the chunks before ``node_id`` on its path: where its K/V starts after the root."""
+        node, total = self.node(node_id), 0
+        while node.parent is not None:
+            node = self._nodes[node.parent]
+            total += node.tokens
+        return total
+
     # -- updates -----------------------------------------------------------------------------------
 
     def insert(self, path: Sequence[int], tokens: int | Sequence[int], nbytes: int | Sequence[int],

@@ -81,3 +81,33 @@ def test_a_call_from_cached_nodes_answers_as_the_whole_prefill_and_recomputes_wh
     ahead = run_rag_call(engine, io, _call(other, nodes[:1], [node], decode=False))
     assert ahead.text == "" and ahead.token_ids == [] and set(ahead.saved) == {node.key}
     assert os.path.exists(io.store.path(node.key, 0))
+
+
+def test_a_blended_call_moves_other_paths_nodes_and_recomputes_its_share(io, engine):
+    """Passages cached after another prefix (CacheBlend): placed at this prompt's slots and partly
+    recomputed; all of them recomputed, the reply is the whole prefill's. Nothing blended is saved."""
+    from actors.messages import BlendSpan
+
+    t = RagTemplate(engine.tok)
+    key = KVKey(engine.model.fingerprint or "m", app="app")
+    ids = [engine.tok.encode(p) for p in PASSAGES]
+    first = t.build(ids, "How tall is Mount Fuji?")  # path [7, 8, 9]
+    nodes = [NodeSpan(node_key(key, ()), 0, first.head)] + [
+        NodeSpan(node_key(key, [7, 8, 9][:i + 1]), a, b) for i, (a, b) in enumerate(first.spans)]
+    run_rag_call(engine, io, _call(first, [], nodes))
+    pr = t.build([ids[2], ids[0]], "Where does the Nile flow?")  # path [9, 7]: neither node's prefix
+    whole = run_rag_call(engine, io, _call(pr, [], []))
+    blend = [BlendSpan(nodes[3].key, first.spans[2][0], *pr.spans[0]),
+             BlendSpan(nodes[1].key, first.spans[0][0], *pr.spans[1])]
+    n = pr.question - pr.head
+    full = run_rag_call(engine, io, _call(pr, nodes[:1], [], blend=blend, blend_ratio=1.0))
+    assert full.token_ids == whole.token_ids
+    assert full.blended == [b.key for b in blend] and full.blended_tokens == n and full.recomputed_tokens == n
+    assert full.reused_tokens == pr.head and full.saved == {}
+    part = run_rag_call(engine, io, _call(pr, nodes[:1], [], blend=blend, blend_ratio=0.2))
+    assert part.blended_tokens == n and part.recomputed_tokens == -(-n // 5) and part.saved == {}
+    assert part.token_ids and part.blend_s > 0
+    # a donor that fails to read ends the blend there: the rest is prefilled
+    gone = [BlendSpan("ef" * 20, 0, *pr.spans[0]), blend[1]]
+    none = run_rag_call(engine, io, _call(pr, nodes[:1], [], blend=gone, blend_ratio=0.2))
+    assert none.blended == [] and none.token_ids == whole.token_ids

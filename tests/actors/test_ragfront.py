@@ -85,6 +85,21 @@ def test_answers_from_cached_nodes_are_those_of_the_whole_prefill(tmp_path, engi
     assert all(c.save == [] for c in again.calls)
 
 
+def test_blending_takes_other_paths_nodes_and_with_everything_recomputed_answers_as_the_whole_prefill(
+        tmp_path, engine, embedder, naive):
+    p = Parts(tmp_path, engine, embedder, qa_bank=False, blend_ratio=1.0)
+    col, _ = p.add("app")
+    got = [p.cache.query("app", col, q, max_tokens=12) for q in QUESTIONS]
+    assert [a.token_ids for a in got] == [naive[q].token_ids for q in QUESTIONS]
+    blended = [(a, c) for a, c in zip(got, p.calls) if c.blend]
+    assert blended and all(a.blended_tokens == a.recomputed_tokens > 0 and a.level == "kv_tree"
+                           and "blend" in a.latency and c.save == [] for a, c in blended)
+    tree = p.cache.tree("app")  # blended passages made no nodes: every node's records are on disk
+    assert all(p.io.store.indices(node_key(replace(p.io.key, app="app"), tree.path_of(n.node_id))) for n in tree)
+    with pytest.raises(ValueError, match="blend_ratio"):
+        RagConfig(blend_ratio=1.5)
+
+
 def test_the_qa_bank_answers_a_similar_question_at_once_and_not_a_different_one(tmp_path, engine, embedder):
     p = Parts(tmp_path, engine, embedder, tau_query=0.9)
     col, _ = p.add("app")

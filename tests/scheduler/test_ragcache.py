@@ -43,6 +43,17 @@ def test_the_same_chunk_after_two_prefixes_is_two_nodes():
     t.check()
 
 
+def test_a_donor_is_a_stored_node_of_the_chunk_after_any_prefix_most_reused_first():
+    t = KVTree()
+    a = t.insert([1, 3], [10, 20], 100, now=0.0)
+    b = t.insert([2, 5, 3], [11, 12, 20], [100, 0, 100], now=1.0)
+    assert t.donor(4) is None and t.donor(5) is None  # none, and one not stored (no bytes)
+    assert t.donor(3) is b[2]  # no reuse yet: the later use
+    t.touch([a[1]], now=0.5)
+    assert t.donor(3) is a[1] and t.donor(1) is a[0]  # the more reused
+    assert t.offset(a[1].node_id) == 10 and t.offset(b[2].node_id) == 23 and t.offset(a[0].node_id) == 0
+
+
 def test_insert_adds_only_the_missing_suffix():
     t = KVTree()
     first = t.insert([1, 2], [10, 20], [100, 200], now=1.0)
