@@ -27,6 +27,8 @@ from scheduler.ragcache import QAEntry, match_query, missing_kv, plan_qa_evictio
 from scheduler.ragtree import KVTree, plan_tree_eviction
 from storage.ragstore import QAEntryNotFoundError
 
+BLENDED_PATHS = 1024
+"""Blended retrieval paths remembered (`RagCache._plan`), per service."""
 LEVELS = ("qa_bank", "kv_tree", "miss")
 """What served a reply: a stored answer, cached K/V of at least one passage, or neither."""
 
@@ -83,6 +85,9 @@ class RagCache:
         self._tree_lock = threading.RLock()
         self._heads: dict[tuple[str, str], int] = {}
         """(app, adapter) -> bytes of the stored head's K/V (0: not stored), as the store has it."""
+        self._blended: dict[tuple, None] = {}
+        """(app, adapter, path) of recent blended calls, oldest first (at most `BLENDED_PATHS`): a path
+        retrieved again is prefilled exactly and saved, so that its next retrieval reuses it exactly."""
 
     # ---- the K/V tree of an app and adapter --------------------------------------------------------
     def tree(self, app: str, adapter: str = "") -> KVTree:
@@ -201,8 +206,8 @@ class RagCache:
     def _plan(self, app, adapter, path, prompt, decode, params, *, blend: bool) -> tuple[RagCall, list, list]:
         """The call: the head and the longest cached prefix of `path` to load, the rest to save; with
         `blend` and `RagConfig.blend_ratio`, when every passage past the prefix has a node on another
-        path, those nodes' K/V instead (and nothing saved). Returns the call, the matched nodes and the
-        donor nodes."""
+        path, those nodes' K/V instead (and nothing saved), unless the same path was blended last time
+        it came. Returns the call, the matched nodes and the donor nodes."""
         key = self._key(app, adapter)
         spans = [NodeSpan(node_key(key, path[:i + 1]), a, b) for i, (a, b) in enumerate(prompt.spans)]
         head = NodeSpan(node_key(key, ()), 0, prompt.head)
@@ -215,14 +220,22 @@ class RagCache:
         save = ([] if cached_head else [head]) + spans[len(matched):]
         call = RagCall(app, adapter, prompt.ids, load, save, params, decode)
         rest = list(zip(path[len(matched):], prompt.spans[len(matched):]))
-        donors = [tree.donor(c) for c, _ in rest] if blend and cached_head and self.config.blend_ratio > 0 else []
-        if rest and len(donors) == len(rest) and all(d is not None and d.tokens == b - a
-                                                     for d, (_c, (a, b)) in zip(donors, rest)):
-            call.blend = [BlendSpan(node_key(key, tree.path_of(d.node_id)), prompt.head + tree.offset(d.node_id), a, b)
-                          for d, (_c, (a, b)) in zip(donors, rest)]
-            call.blend_ratio, call.save = self.config.blend_ratio, []
-            return call, matched, donors
-        return call, matched, []
+        if not (blend and cached_head and rest and self.config.blend_ratio > 0):
+            return call, matched, []
+        seen = (app, adapter, tuple(path))
+        if seen in self._blended:  # blended before: this time prefilled exactly and saved
+            del self._blended[seen]
+            return call, matched, []
+        donors = [tree.donor(c) for c, _ in rest]
+        if not all(d is not None and d.tokens == b - a for d, (_c, (a, b)) in zip(donors, rest)):
+            return call, matched, []
+        self._blended[seen] = None
+        while len(self._blended) > BLENDED_PATHS:
+            del self._blended[next(iter(self._blended))]
+        call.blend = [BlendSpan(node_key(key, tree.path_of(d.node_id)), prompt.head + tree.offset(d.node_id), a, b)
+                      for d, (_c, (a, b)) in zip(donors, rest)]
+        call.blend_ratio, call.save = self.config.blend_ratio, []
+        return call, matched, donors
 
     def _update_tree(self, app, adapter, path, prompt, out: RagOutcome, reused) -> None:
         if not self.config.kv_tree:

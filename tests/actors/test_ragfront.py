@@ -96,6 +96,11 @@ def test_blending_takes_other_paths_nodes_and_with_everything_recomputed_answers
                            and "blend" in a.latency and c.save == [] for a, c in blended)
     tree = p.cache.tree("app")  # blended passages made no nodes: every node's records are on disk
     assert all(p.io.store.indices(node_key(replace(p.io.key, app="app"), tree.path_of(n.node_id))) for n in tree)
+    q = QUESTIONS[[c.blend != [] for c in p.calls].index(True)]  # a path blended once: next time exact...
+    second = p.cache.query("app", col, q, max_tokens=12)
+    assert not p.calls[-1].blend and p.calls[-1].save and second.blended_tokens == 0
+    third = p.cache.query("app", col, q, max_tokens=12)  # ...and then reused exactly
+    assert third.reused_tokens == third.retrieved_tokens and third.token_ids == naive[q].token_ids
     with pytest.raises(ValueError, match="blend_ratio"):
         RagConfig(blend_ratio=1.5)
 
