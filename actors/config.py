@@ -44,8 +44,9 @@ class RagConfig:
     blend_ratio: float = 0.0
     """Off (0): a passage's K/V is reused only after exactly its cached prefix, so replies equal a whole
     prefill's. Above 0 (CacheBlend): when every passage past the cached prefix has a node on another
-    path, their K/V is moved to this prompt's slots and this share of its tokens, those the rest of the
-    prompt attends to most, recomputed; replies may differ (docs/benchmarks.md, "RAG cache")."""
+    path, their K/V is moved to this prompt's slots and this share of each passage's tokens, its first,
+    recomputed; replies may differ (docs/benchmarks.md, "RAG cache"). Float32 K/V only (elsewhere the
+    passages are prefilled)."""
     tree_cap_bytes: int = 2 << 30
     """Bytes of node K/V kept per app, on disk or in the pool (LFU eviction past it, PerCache §4.1.1).
     Nodes are raw (pinned exact): for the default model about 46 KB a token, 17 MB a three-passage

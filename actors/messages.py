@@ -340,7 +340,7 @@ class RagCall:
     """Passages after `load` whose K/V comes from other paths' nodes, in order, tiling the slots from
     `load[-1].end`; `save` is then empty (`RagConfig.blend_ratio`)."""
     blend_ratio: float = 0.0
-    """The share of `blend`'s tokens recomputed (those the rest of the prompt attends to most)."""
+    """The share of each blended passage's tokens recomputed, from its first (`engine.rag.blend_rows`)."""
 
 
 @dataclass(slots=True)

@@ -78,6 +78,9 @@ class Metrics:
                                  registry=r)
         self.tree_tokens = Counter(p + "kv_tree_tokens_reused_total", "Passage tokens whose K/V came from the "
                                    "K/V tree", registry=r)
+        self.blended_tokens = Counter(p + "kv_tree_tokens_blended_total", "Passage tokens whose K/V came from "
+                                      "nodes of other retrieval paths, moved and partly recomputed (rag.blend_ratio)",
+                                      registry=r)
         self.retrieved_tokens = Counter(p + "rag_retrieved_tokens_total", "Passage tokens in RAG prompts (the "
                                         "K/V hit rate's denominator)", registry=r)
         self.rag_bytes = Gauge(p + "rag_cache_bytes", "RAG cache bytes by level (qa_bank, kv_tree)", ["level"],

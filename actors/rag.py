@@ -75,8 +75,9 @@ def run_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
 def stream_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
                     should_stop: Callable[[], bool] | None = None) -> Iterator[str | RagOutcome]:
     """The executor's side of a RAG call on `engine` (`engine.context.ContextEngine`): read the cached
-    nodes into the first slots of a throwaway working set (stopping at the first that fails), prefill
-    the rest, decode, then write the new nodes (and those that failed). Yields the reply's text deltas
+    nodes into the first slots of a throwaway working set (stopping at the first that fails), place
+    `call.blend`'s passages from other paths' nodes after them (`_blend`), prefill the rest, decode,
+    then write the new nodes (and those that failed). Yields the reply's text deltas
     as they are decoded, then the `RagOutcome` as the last item. `adapter`: the loaded LoRA adapter
     named by `call.adapter` (`engine.lora.Adapter`), None for the base model. `cache`: the working set
     to compute in (the executor's), a new one when None. `should_stop`: asked before each node read,

@@ -382,6 +382,7 @@ class PredictorActor(QueryPredictor, Health):
         m.qa_hits.inc(a.level == "qa_bank")
         m.tree_hits.inc(a.level == "kv_tree")
         m.tree_tokens.inc(a.reused_tokens)
+        m.blended_tokens.inc(a.blended_tokens)
         m.retrieved_tokens.inc(a.retrieved_tokens)
         self._count_bytes()
 

@@ -433,8 +433,8 @@ def markdown(summary: dict, meta: dict) -> str:
              f"{meta['rouge']}.", ""]
     if any(st.get("blend_hit") for s in summary.values() for st in s["systems"].values()):
         lines += [f"The +blend systems place passages cached after another prefix at this prompt's slots (keys turned "
-                  f"by RoPE) and recompute {meta.get('blend_ratio', 0):.0%} of their tokens, those the rest of the prompt "
-                  f"attends to most (CacheBlend). Blend hit: such tokens / retrieved passage tokens. Replies = Naive's: "
+                  f"by RoPE) and recompute the first {meta.get('blend_ratio', 0):.0%} of each passage's tokens "
+                  f"(CacheBlend). Blend hit: such tokens / retrieved passage tokens. Replies = Naive's: "
                   f"token-identical replies among those not served by the QA bank.", ""]
     for which, s in summary.items():
         lines += [f"Question set `{which}`:", "", *table(s["systems"]), "",
