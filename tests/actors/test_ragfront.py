@@ -58,9 +58,10 @@ class Parts:
         return col, docs
 
 
-@pytest.fixture
-def naive(tmp_path, engine, embedder):
-    p = Parts(tmp_path / "naive", engine, embedder, qa_bank=False, kv_tree=False)
+@pytest.fixture(scope="module")
+def naive(tmp_path_factory, engine, embedder):
+    """The Naive replies to QUESTIONS (no cache: what every cached reply is checked against), once."""
+    p = Parts(tmp_path_factory.mktemp("naive"), engine, embedder, qa_bank=False, kv_tree=False)
     col, _ = p.add("app")
     return {q: p.cache.query("app", col, q, max_tokens=12) for q in QUESTIONS}
 
