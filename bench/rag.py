@@ -238,7 +238,8 @@ def run_one(engine, embedder, user: str, which: str, system: str, args, setting:
             log(f"[{label}] {i + 1}/{len(qs)} {q['id']}: {ans.level}, {e2e:.2f} s ("
                 + ", ".join(f"{k} {v:.2f}" for k, v in ans.latency.items()) + f"), reused "
                 f"{ans.reused_tokens}/{ans.retrieved_tokens} tokens"
-                + (f", blended {ans.blended_tokens} ({ans.recomputed_tokens} recomputed)" if ans.blended_tokens else ""))
+                + (f", blended {ans.blended_tokens} ({ans.recomputed_tokens} recomputed)"
+                   if ans.blended_tokens else ""))
         out.cache_bytes = pred.store.total_bytes()
     finally:
         pred.close()
@@ -385,7 +386,8 @@ def summarise(runs: list[Run], score) -> dict:
 
 STAGES = ("embed", "retrieve", "load", "blend", "prefill", "decode", "save")
 CSV_FIELDS = ("which", "user", "system", "setting", "question", "group", "level", "e2e_s", "reused_tokens",
-              "blended_tokens", "recomputed_tokens", "retrieved_tokens", "prompt_tokens", *(f"{k}_s" for k in STAGES), "answer")
+              "blended_tokens", "recomputed_tokens", "retrieved_tokens", "prompt_tokens", *(f"{k}_s" for k in STAGES),
+              "answer")
 
 
 def write_results(runs: list[Run], summary: dict, meta: dict, out: Path) -> None:
@@ -510,7 +512,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(
         prog="python -m bench.rag", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Systems: " + ", ".join(SYSTEMS) + " (the +blend ones only when named). Progress goes to stderr; the results section to stdout.")
+        epilog="Systems: " + ", ".join(SYSTEMS) + " (the +blend ones only when named). Progress goes to stderr; "
+               "the results section to stdout.")
     ap.add_argument("--users", nargs="+", default=rag_data.users(), choices=rag_data.users(),
                     help="users of bench.rag_data (default all)")
     ap.add_argument("--which", choices=["main", "heldout", "both"], default="both",

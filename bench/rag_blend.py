@@ -166,15 +166,18 @@ def main(argv=None) -> int:
              f"after another of them, moved, then partly recomputed; scored against the prompt prefilled whole by its "
              f"{REPLY}-token greedy reply: agreement of the most likely token (teacher-forced), mean KL divergence "
              f"(nats) of the next-token distribution, and greedy replies that are the same.", "",
-             "| recomputed | strategy | agreement | KL, mean | KL, median | same reply |", "|---:|---|---:|---:|---:|---:|"]
+             "| recomputed | strategy | agreement | KL, mean | KL, median | same reply |",
+             "|---:|---|---:|---:|---:|---:|"]
     for r in args.ratios:
         for s in STRATEGIES:
             v = results[s, r]
             lines.append(f"| {r:.0%} | {s} | {statistics.mean(a for a, _k, _s in v):.3f} | "
-                         f"{statistics.mean(k for _a, k, _s in v):.4f} | {statistics.median(k for _a, k, _s in v):.4f} | "
+                         f"{statistics.mean(k for _a, k, _s in v):.4f} | "
+                         f"{statistics.median(k for _a, k, _s in v):.4f} | "
                          f"{sum(same for *_x, same in v)}/{len(v)} |")
     whole, blended = statistics.median(timing["whole"]), statistics.median(timing["blended"])
-    lines += ["", f"Prefill after the head (passages and question): {whole * 1e3:.0f} ms whole against {blended * 1e3:.0f} "
+    lines += ["", f"Prefill after the head (passages and question): {whole * 1e3:.0f} ms whole against "
+              f"{blended * 1e3:.0f} "
               f"ms moved with the first {args.ratios[0]:.0%} of each passage recomputed (medians, alternated per "
               f"question): {whole / blended:.2f}x."]
     from bench.markdown import publish

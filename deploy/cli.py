@@ -269,7 +269,8 @@ def cmd_rag(args) -> int:
     if r is None:
         raise SystemExit("llmaas: error: the server's answer ended before it was complete")
     c = r["cache"]
-    blended = f", {c['tokens_blended']} blended ({c['tokens_recomputed']} recomputed)" if c.get("tokens_blended") else ""
+    blended = (f", {c['tokens_blended']} blended ({c['tokens_recomputed']} recomputed)"
+               if c.get("tokens_blended") else "")
     print(f"llmaas: {c['level']}, {c['chunks_reused']} passages and {c['tokens_reused']} tokens reused{blended}, "
           f"{sum(r['latency'].values()) * 1000:.0f} ms", file=sys.stderr)
     return 0
