@@ -120,6 +120,7 @@ def stream_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
     finally:
         items.close()  # stopped midway: the forward pass undoes its rows now
     res = stream.result
+    blended_tokens = sum(b.end - b.start for b in blended)
     t2 = time.perf_counter()
     saved = {node.key: save_node(io, node, span_kv(ctx.cache, node.start, node.end), call.adapter)
              for node in [*redo, *call.save]}
@@ -128,7 +129,7 @@ def stream_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
         text=res.text if call.decode else "",
         token_ids=res.token_ids if call.decode else [],
         finish_reason=res.finish_reason if call.decode else "",
-        reused_tokens=res.cached_tokens - sum(b.end - b.start for b in blended),
+        reused_tokens=res.cached_tokens - blended_tokens,
         loaded=loaded,
         saved=saved,
         load_s=t_blend - t0,
@@ -136,7 +137,7 @@ def stream_rag_call(engine, io, call: RagCall, adapter=None, cache=None,
         decode_s=(t2 - t1) - res.ttft_s,
         save_s=t3 - t2,
         blended=[b.key for b in blended],
-        blended_tokens=sum(b.end - b.start for b in blended),
+        blended_tokens=blended_tokens,
         recomputed_tokens=len(picked),
         blend_s=t1 - t_blend,
     )

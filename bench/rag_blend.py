@@ -112,11 +112,14 @@ def main(argv=None) -> int:
             seen_by = len(other.ids) - torch.arange(a, b).float()  # rows that attend to each token
             donors.append((span_kv(cache, a, b), a, (density[a:b] / seen_by).numpy()))
 
+        def move_passages(cache):  # after the head: each donor's K/V at this prompt's slots
+            for (kv, src, _d), (a, _b) in zip(donors, pr.spans):
+                put_span(cache, a, shift_span(m, kv, a - src))
+
         def placed():
             cache = cache_for(pr)
             put_span(cache, 0, head)
-            for (kv, src, _d), (a, b) in zip(donors, pr.spans):
-                put_span(cache, a, shift_span(m, kv, a - src))
+            move_passages(cache)
             return cache
 
         rows = np.arange(pr.head, pr.question)
@@ -148,8 +151,7 @@ def main(argv=None) -> int:
             put_span(cache, 0, head)
             t = time.perf_counter()
             if order == "blended":
-                for (kv, src, _d), (a, b) in zip(donors, pr.spans):
-                    put_span(cache, a, shift_span(m, kv, a - src))
+                move_passages(cache)
                 blend_rows(m, cache, pr.ids, pr.spans, args.ratios[0])
                 m.forward(cache, pr.ids[pr.question:])
             else:

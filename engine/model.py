@@ -468,10 +468,9 @@ class Transformer:
         if bool((pos[1:] <= pos[:-1]).any()) or int(pos[0]) < 0 or int(pos[-1]) >= cache.length:
             raise ValueError(f"rows to recompute must ascend within the {cache.length} computed slots")
         ids = torch.as_tensor(np.asarray(token_ids)[pos.cpu().numpy()], dtype=torch.long, device=self.device)
-        x = self.w.embed(ids)
+        job = RecomputeJob(chunks=[], x=self.w.embed(ids), pos=pos, adapter=adapter)  # no chunk was missing
         for layer in range(self.cfg.n_layers):
-            x = self._layer(layer, x, pos, cache, contiguous=False, density=None, sdpa=False, adapter=adapter)
-        self.recomputed_rows += pos.numel()
+            self.recompute_layer(cache, job, layer)
 
     def recompute(self, cache: KVCache, token_ids, chunks, *, adapter: Adapter | None = None) -> None:
         """Recompute `chunks` through all layers, exactly (global positions, causal mask)."""
