@@ -10,7 +10,8 @@ abstract (topics, names, terms) from the new passages and writes a question abou
 passages a round in the order they arrived, until every passage has one; after a burst
 of user queries and a quiet period, it writes questions in their style. Each predicted question
 populates the K/V tree, and the QA bank with an answer when the cache scheduler says decoding pays
-(`scheduler.ragcache.CacheScheduler.populate`). Between rounds it converts across levels (PerCache
+(`scheduler.ragcache.CacheScheduler.populate`; a question about a passage is prefilled only at first,
+`RagConfig.answers_after_coverage`). When no round is due it converts across levels (PerCache
 §4.3.3): it decodes stored questions that lack an answer, and once the K/V tree's cap has grown, it
 prefills again the stored questions whose nodes were evicted. The work is low priority (`RagCall.background`): it
 runs only when the executor has been idle `IdlePolicy.idle_after_s`, within a per-app daily budget of
@@ -113,7 +114,7 @@ class QueryPredictor:
                             delete_node, model_key, config, clock=clock,
                             run_stream=lambda call: resolve_stream(executor.rag_stream(call)))
         self.tok, self.executor, self.clock, self.power = tokenizer, executor, clock, power
-        self.scheduler = CacheScheduler()
+        self.scheduler = CacheScheduler(answers_after_coverage=self.rag.config.answers_after_coverage)
         self._lock = threading.RLock()  # the idle bookkeeping, shared by `tick` and the routes (never held
         # while the model runs)
         cfg = self.rag.config
@@ -223,7 +224,7 @@ class QueryPredictor:
         scheduler says decoding pays; and once the K/V tree's cap has grown, prefill again the stored
         questions whose nodes were evicted (their answers stay; `prefilled` lists them)."""
         out = {"app": app, "kind": "answers", "collection": None, "questions": [], "prefilled": [], "model_s": 0.0}
-        decode = self.scheduler.populate(self.rag.config.tau_query).decode
+        decode = self.scheduler.populate(self.rag.config.tau_query, qa_bank=self.rag.config.qa_bank).decode
         with self._lock:
             again = self._reprefill_due(app)[:self.idle.policy.stride]
         if not decode and not again:
@@ -282,7 +283,8 @@ class QueryPredictor:
             if col is not None:
                 questions, cursor = (self._from_knowledge(app, col, work.stride) if work.kind == "knowledge"
                                      else (self._from_history(app, col, work.stride), None))
-                pop = self.scheduler.populate(self.rag.config.tau_query)
+                cfg = self.rag.config
+                pop = self.scheduler.populate(cfg.tau_query, qa_bank=cfg.qa_bank, from_passages=work.kind == "knowledge")
                 for q in questions:
                     self.rag.query(app, col, q, predicted=True, decode=pop.decode, background=True)
                     out["questions"].append(q)

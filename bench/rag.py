@@ -10,6 +10,10 @@ stride and idle budget for all):
 - `RAGCache+MeanCache`: both levels, no prediction; `RAGCache+SC`: the K/V tree and prediction;
 - `PerCache`: both levels and prediction.
 
+Run only when named (this project's variants, never a baseline): `PerCache-answers-at-once` (a question
+predicted from a passage decoded at once, PerCache's own rule, `RagConfig.answers_after_coverage` off),
+`RAGCache+blend` and `PerCache+blend` (passages cached after another prefix blended, `--blend-ratio`).
+
 Each (question set, user, system) runs in a fresh data directory: the user's documents go into one
 collection through the query predictor, then the user's questions are asked in their order, one every
 `--gap` seconds of a virtual clock (the benchmark never sleeps). Where the system predicts, the
@@ -55,12 +59,15 @@ SYSTEMS = {  # name -> RagConfig switches (qa_bank, kv_tree) and whether the pre
     "RAGCache+MeanCache": dict(qa_bank=True, kv_tree=True, predict=False),
     "RAGCache+SC": dict(qa_bank=False, kv_tree=True, predict=True),
     "PerCache": dict(qa_bank=True, kv_tree=True, predict=True),
+    # this project's variants (`extra`: run when named, never a baseline): PerCache's own population rule
+    "PerCache-answers-at-once": dict(qa_bank=True, kv_tree=True, predict=True, answers_after_coverage=False,
+                                     extra=True),
     # beyond PerCache (CacheBlend): passages cached after another prefix, moved and partly recomputed
-    "RAGCache+blend": dict(qa_bank=False, kv_tree=True, predict=False, blend=True),
-    "PerCache+blend": dict(qa_bank=True, kv_tree=True, predict=True, blend=True),
+    "RAGCache+blend": dict(qa_bank=False, kv_tree=True, predict=False, blend=True, extra=True),
+    "PerCache+blend": dict(qa_bank=True, kv_tree=True, predict=True, blend=True, extra=True),
 }
-DEFAULT_SYSTEMS = [s for s, knobs in SYSTEMS.items() if not knobs.get("blend")]
-"""PerCache §5.2's systems (the blending ones run when asked: `--systems`)."""
+DEFAULT_SYSTEMS = [s for s, knobs in SYSTEMS.items() if not knobs.get("extra")]
+"""PerCache §5.2's systems (the variants run when asked: `--systems`)."""
 NAIVE, OURS, NO_PREDICTION, EXACT = "Naive", "PerCache", "RAGCache+MeanCache", "RAGCache-like"
 LATENCY_FLOOR, LATENCY_GOAL = 0.15, 0.30
 """PerCache's mean latency below the best other system's, as a fraction of the latter."""
@@ -187,7 +194,7 @@ class Executor:
 def rag_config(args, system: str, **overrides):
     from actors.config import RagConfig
 
-    switches = {k: v for k, v in SYSTEMS[system].items() if k != "blend"}
+    switches = {k: v for k, v in SYSTEMS[system].items() if k not in ("blend", "extra")}
     knobs = dict(k=args.k, max_tokens=args.max_tokens, tau_query=args.tau_query, stride=args.stride,
                  idle_after_s=args.idle_after, predict_budget_s=args.budget, **switches,
                  blend_ratio=args.blend_ratio if SYSTEMS[system].get("blend") else 0.0)
@@ -331,8 +338,8 @@ def floors(per: dict[str, dict], baseline: float | None) -> list[dict]:
     `"detail"}`."""
     out = []
     ours = per.get(OURS)
-    others = {s: v for s, v in per.items()  # baselines only: the blending systems are this project's too
-              if s != OURS and not SYSTEMS[s].get("blend") and v["mean_s"] is not None}
+    others = {s: v for s, v in per.items()  # baselines only: the variants are this project's too
+              if s != OURS and not SYSTEMS[s].get("extra") and v["mean_s"] is not None}
     if ours and others:
         best = min(others, key=lambda s: others[s]["mean_s"])
         cut = 1 - ours["mean_s"] / others[best]["mean_s"]
@@ -512,14 +519,14 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(
         prog="python -m bench.rag", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Systems: " + ", ".join(SYSTEMS) + " (the +blend ones only when named). Progress goes to stderr; "
+        epilog="Systems: " + ", ".join(SYSTEMS) + " (the last three only when named). Progress goes to stderr; "
                "the results section to stdout.")
     ap.add_argument("--users", nargs="+", default=rag_data.users(), choices=rag_data.users(),
                     help="users of bench.rag_data (default all)")
     ap.add_argument("--which", choices=["main", "heldout", "both"], default="both",
                     help="question set; the floors are checked on each (default both)")
     ap.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=list(SYSTEMS), metavar="SYSTEM",
-                    help="systems to run (default all but the +blend ones); Naive is the answers' reference")
+                    help="systems to run (default all but the variants); Naive is the answers' reference")
     ap.add_argument("--blend-ratio", type=float, default=0.15,
                     help="share of blended passage tokens recomputed by the +blend systems (default 0.15)")
     ap.add_argument("--k", type=int, default=3, help="passages retrieved per query (default 3)")

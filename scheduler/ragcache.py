@@ -19,6 +19,10 @@ so decoding predicted queries would be wasted: above the cutoff ``tau_scheduler`
 only prefilled (its K/V enters the tree; its entry is stored without an answer); at or below it, it is
 prefilled and decoded. When ``tau_query`` falls to the cutoff or below, the stored queries without an
 answer are decoded; when the K/V cap is raised, the entries whose K/V was evicted are prefilled again.
+Beyond PerCache, two rules spend the idle budget where it buys most: nothing is decoded for a QA bank
+that is off, and (``answers_after_coverage``) a question predicted from a passage is prefilled only, so
+the budget first covers every passage's K/V; its answer is decoded by the conversion, which runs when
+no prediction round is due (every passage has its question), if decoding pays.
 
 **Idle work** (§4.1.2: :class:`IdleState`). The predictor runs only while no real call is in flight,
 none ended for ``idle_after_s``, the app's daily budget of model time is not spent and, optionally,
@@ -166,14 +170,21 @@ class Conversion:
 class CacheScheduler:
     """Adaptive population and cross-layer conversion (see the module docstring)."""
 
-    def __init__(self, tau_scheduler: float = DEFAULT_TAU_SCHEDULER) -> None:
+    def __init__(self, tau_scheduler: float = DEFAULT_TAU_SCHEDULER, *, answers_after_coverage: bool = True) -> None:
         self.tau_scheduler = _similarity("tau_scheduler", tau_scheduler)
+        self.answers_after_coverage = bool(answers_after_coverage)
+        """Prefill only the questions predicted from passages (their answers come from the conversion's
+        decode, after every passage has its question); off: PerCache's rule alone."""
         self.tau_query: float | None = None  # the tau_query :meth:`observe` saw last
         self.cap_bytes: int | None = None  # the K/V cap :meth:`observe` saw last, bytes
 
-    def populate(self, tau_query: float) -> Populate:
-        """Prefill only above the cutoff; prefill and decode at or below it."""
-        return Populate(prefill=True, decode=_similarity("tau_query", tau_query) <= self.tau_scheduler)
+    def populate(self, tau_query: float, *, qa_bank: bool = True, from_passages: bool = False) -> Populate:
+        """Prefill only above the cutoff; prefill and decode at or below it. Prefill only as well when
+        there is no QA bank to keep the answer (`qa_bank` False), and, with ``answers_after_coverage``,
+        for questions predicted from passages (`from_passages`: a knowledge round's)."""
+        pays = _similarity("tau_query", tau_query) <= self.tau_scheduler
+        deferred = self.answers_after_coverage and from_passages
+        return Populate(prefill=True, decode=pays and qa_bank and not deferred)
 
     def convert(self, tau_query_before: float, tau_query_now: float, entries_without_answer: Iterable[QAEntry],
                 evicted_entries: Iterable[QAEntry], storage_grew: bool) -> list[Conversion]:
@@ -210,12 +221,12 @@ class CacheScheduler:
     def to_dict(self) -> dict[str, Any]:
         """Plain values for JSON or a table row; :meth:`from_dict` reads them back."""
         return {"version": STATE_VERSION, "tau_scheduler": self.tau_scheduler, "tau_query": self.tau_query,
-                "cap_bytes": self.cap_bytes}
+                "cap_bytes": self.cap_bytes, "answers_after_coverage": self.answers_after_coverage}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CacheScheduler:
         _version(d)
-        s = cls(d["tau_scheduler"])
+        s = cls(d["tau_scheduler"], answers_after_coverage=d.get("answers_after_coverage", True))
         s.tau_query = None if d["tau_query"] is None else _similarity("tau_query", d["tau_query"])
         s.cap_bytes = None if d["cap_bytes"] is None else count("cap_bytes", d["cap_bytes"])
         return s

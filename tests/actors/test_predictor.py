@@ -71,13 +71,46 @@ def test_it_predicts_only_when_idle_and_due_and_fills_both_levels(tmp_path, engi
     assert done["kind"] == "knowledge" and done["collection"] == col and not done.get("preempted")
     assert all(c.background for c in ex.calls)  # every model call of the round was low priority
     assert 1 <= len(done["questions"]) <= 2, done
-    # the predicted questions went through the real path: K/V tree and QA bank (the scheduler decodes
-    # at the default tau_query), marked as the predictor's
+    # the predicted questions went through the real path: K/V tree and QA bank, marked as the
+    # predictor's; prefilled only while the round covers passages (answers_after_coverage)
     entries = p.store.qa_entries("app", col, "")
     assert {e.question for e in entries} == set(done["questions"]) and all(e.predicted for e in entries)
-    assert all(e.answer for e in entries) and len(p.rag.tree("app")) >= 1
-    assert p.tick(clock.t + 90) == []  # nothing new is due
-    assert p.idle.spent_today("app", clock.t + 90) > 0
+    assert all(e.answer is None for e in entries) and len(p.rag.tree("app")) >= 1
+    assert [c.decode for c in ex.calls[-len(entries):]] == [False] * len(entries)
+    spent = p.idle.spent_today("app", clock.t + 90)
+    assert spent > 0
+    # no round is due: the conversion decodes them (the scheduler says decoding pays at tau_query 0.85),
+    # each path's K/V read back from the tree
+    (answers,) = p.tick(clock.t + 90)
+    assert answers["kind"] == "answers" and sorted(answers["questions"]) == sorted(done["questions"])
+    entries = p.store.qa_entries("app", col, "")
+    assert all(e.answer and e.predicted for e in entries) and p.rag.unanswered("app") == []
+    assert p.idle.spent_today("app", clock.t + 90) > spent
+    assert p.tick(clock.t + 95) == []  # nothing new is due
+
+
+def test_with_percaches_own_rule_a_predicted_question_is_answered_at_once(tmp_path, engine, embedder):
+    clock = Clock()
+    p, ex = predictor(tmp_path, engine, embedder, clock, answers_after_coverage=False)
+    col = p.create_collection("app", "facts")
+    for d in DOCS:
+        p.add_document("app", col, d)
+    (done,) = p.tick(clock.t + 100)
+    entries = p.store.qa_entries("app", col, "")
+    assert done["kind"] == "knowledge" and {e.question for e in entries} == set(done["questions"])
+    assert entries and all(e.answer for e in entries) and p.tick(clock.t + 110) == []
+
+
+def test_without_a_qa_bank_nothing_predicted_is_decoded(tmp_path, engine, embedder):
+    clock = Clock()
+    p, ex = predictor(tmp_path, engine, embedder, clock, qa_bank=False, answers_after_coverage=False)
+    col = p.create_collection("app", "facts")
+    for d in DOCS:
+        p.add_document("app", col, d)
+    (done,) = p.tick(clock.t + 100)
+    queries = [c for c in ex.calls if c.save or c.load]  # the predicted questions' (the rest write text)
+    assert done["questions"] and queries and not any(c.decode for c in queries)
+    assert len(p.rag.tree("app")) >= 1 and p.store.qa_entries("app", col, "") == []
 
 
 def test_idle_time_decodes_the_answers_a_new_document_made_stale(tmp_path, engine, embedder):
@@ -165,7 +198,7 @@ def test_knowledge_rounds_go_on_until_every_passage_has_its_question(tmp_path, e
     deleted collection leaves nothing pending."""
     clock = Clock()
     one = IdlePolicy(idle_after_s=30, history_quiet_s=1e9, stride=1)
-    p, ex = predictor(tmp_path, engine, embedder, clock, idle=one)
+    p, ex = predictor(tmp_path, engine, embedder, clock, idle=one, answers_after_coverage=False)
     col = p.create_collection("app", "facts")
     for d in DOCS:
         p.add_document("app", col, d)
@@ -176,7 +209,8 @@ def test_knowledge_rounds_go_on_until_every_passage_has_its_question(tmp_path, e
     assert all(first.text in t and second.text not in t for t in prompts)
     assert p.known["app"]["collections"][col]["cursor"] == first.id and p.known["app"]["pending"] == {col: True}
     p.close()
-    p, ex = predictor(tmp_path, engine, embedder, clock, idle=one)  # a restart between the rounds
+    p, ex = predictor(tmp_path, engine, embedder, clock, idle=one,  # a restart between the rounds
+                      answers_after_coverage=False)
     (done,) = p.tick(clock.t + 200)
     assert done["kind"] == "knowledge" and p.known["app"]["collections"][col]["cursor"] == second.id
     prompts = [engine.tok.decode(c.ids) for c in ex.calls[:2]]  # the abstract (with round 1's terms) aside

@@ -252,6 +252,18 @@ def test_population_is_prefill_only_above_the_cutoff():
         CacheScheduler(tau_scheduler=1.5)
 
 
+def test_population_decodes_nothing_without_a_qa_bank_nor_before_the_passages_are_covered():
+    s = CacheScheduler()
+    assert s.answers_after_coverage
+    assert s.populate(0.85, qa_bank=False) == Populate(prefill=True, decode=False)
+    assert s.populate(0.85, from_passages=True) == Populate(prefill=True, decode=False)  # the conversion answers
+    assert s.populate(0.85, from_passages=False).decode  # the history's questions, the conversion's decodes
+    assert s.populate(0.90, from_passages=False).decode is False
+    own = CacheScheduler(answers_after_coverage=False)  # PerCache's rule alone
+    assert own.populate(0.85, from_passages=True).decode and not own.populate(0.90, from_passages=True).decode
+    assert CacheScheduler.from_dict(own.to_dict()).answers_after_coverage is False
+
+
 def test_conversion_decodes_unanswered_entries_when_tau_falls_to_the_cutoff():
     s = CacheScheduler()
     unanswered = [QAEntry(1, 10, hits=0, last_use=1.0), QAEntry(2, 10, hits=3), QAEntry(3, 10, hits=0, last_use=2.0)]
