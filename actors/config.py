@@ -65,9 +65,10 @@ class RagConfig:
     stride: int = 5
     """Queries predicted per round (PerCache's prediction stride)."""
     answers_after_coverage: bool = True
-    """Beyond PerCache: a question predicted from a passage is prefilled only, and answered (when the
-    cache scheduler says decoding pays) once every passage has its question, so a day's budget covers
-    the passages' K/V first (`scheduler.ragcache.CacheScheduler.populate`). Off: decoded at once."""
+    """Beyond PerCache: with the K/V tree on, a question predicted from a passage is prefilled only, and
+    answered (when the cache scheduler says decoding pays) once every passage has its question, so a
+    day's budget covers the passages' K/V first (`scheduler.ragcache.CacheScheduler.populate`). Off:
+    decoded at once."""
     mains_only: bool = False
     """Predict only on mains power (where the system reports a battery)."""
 

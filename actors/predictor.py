@@ -284,7 +284,8 @@ class QueryPredictor:
                 questions, cursor = (self._from_knowledge(app, col, work.stride) if work.kind == "knowledge"
                                      else (self._from_history(app, col, work.stride), None))
                 cfg = self.rag.config
-                pop = self.scheduler.populate(cfg.tau_query, qa_bank=cfg.qa_bank, from_passages=work.kind == "knowledge")
+                pop = self.scheduler.populate(cfg.tau_query, qa_bank=cfg.qa_bank, kv_tree=cfg.kv_tree,
+                                              from_passages=work.kind == "knowledge")
                 for q in questions:
                     self.rag.query(app, col, q, predicted=True, decode=pop.decode, background=True)
                     out["questions"].append(q)

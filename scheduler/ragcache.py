@@ -20,8 +20,8 @@ only prefilled (its K/V enters the tree; its entry is stored without an answer);
 prefilled and decoded. When ``tau_query`` falls to the cutoff or below, the stored queries without an
 answer are decoded; when the K/V cap is raised, the entries whose K/V was evicted are prefilled again.
 Beyond PerCache, two rules spend the idle budget where it buys most: nothing is decoded for a QA bank
-that is off, and (``answers_after_coverage``) a question predicted from a passage is prefilled only, so
-the budget first covers every passage's K/V; its answer is decoded by the conversion, which runs when
+that is off, and (``answers_after_coverage``, with a K/V tree) a question predicted from a passage is
+prefilled only, so the budget first covers every passage's K/V; its answer is decoded by the conversion, which runs when
 no prediction round is due (every passage has its question), if decoding pays.
 
 **Idle work** (§4.1.2: :class:`IdleState`). The predictor runs only while no real call is in flight,
@@ -178,12 +178,14 @@ class CacheScheduler:
         self.tau_query: float | None = None  # the tau_query :meth:`observe` saw last
         self.cap_bytes: int | None = None  # the K/V cap :meth:`observe` saw last, bytes
 
-    def populate(self, tau_query: float, *, qa_bank: bool = True, from_passages: bool = False) -> Populate:
+    def populate(self, tau_query: float, *, qa_bank: bool = True, kv_tree: bool = True,
+                 from_passages: bool = False) -> Populate:
         """Prefill only above the cutoff; prefill and decode at or below it. Prefill only as well when
         there is no QA bank to keep the answer (`qa_bank` False), and, with ``answers_after_coverage``,
-        for questions predicted from passages (`from_passages`: a knowledge round's)."""
+        for questions predicted from passages (`from_passages`: a knowledge round's) when a K/V tree
+        keeps what the prefill computes (`kv_tree`; without one, deferring would prefill twice)."""
         pays = _similarity("tau_query", tau_query) <= self.tau_scheduler
-        deferred = self.answers_after_coverage and from_passages
+        deferred = self.answers_after_coverage and from_passages and kv_tree
         return Populate(prefill=True, decode=pays and qa_bank and not deferred)
 
     def convert(self, tau_query_before: float, tau_query_now: float, entries_without_answer: Iterable[QAEntry],

@@ -258,6 +258,7 @@ def test_population_decodes_nothing_without_a_qa_bank_nor_before_the_passages_ar
     assert s.populate(0.85, qa_bank=False) == Populate(prefill=True, decode=False)
     assert s.populate(0.85, from_passages=True) == Populate(prefill=True, decode=False)  # the conversion answers
     assert s.populate(0.85, from_passages=False).decode  # the history's questions, the conversion's decodes
+    assert s.populate(0.85, kv_tree=False, from_passages=True).decode  # no tree keeps a prefill: decode at once
     assert s.populate(0.90, from_passages=False).decode is False
     own = CacheScheduler(answers_after_coverage=False)  # PerCache's rule alone
     assert own.populate(0.85, from_passages=True).decode and not own.populate(0.90, from_passages=True).decode
