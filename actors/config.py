@@ -64,6 +64,12 @@ class RagConfig:
     """Model seconds the predictor may spend per app per day."""
     stride: int = 5
     """Queries predicted per round (PerCache's prediction stride)."""
+    passage_roots: bool = True
+    """Beyond PerCache: a knowledge round also prefills each of its passages alone after the prompt's
+    head, where no cached path starts with it (`actors.ragfront.RagCache.cache_passage`), so every
+    question whose best passage had its round reuses at least that passage's K/V (a predicted question
+    about a passage often retrieves another first). About 0.2 s of idle time and 6 MB a passage for
+    the default model. Off: the tree holds the predicted questions' paths only."""
     answers_after_coverage: bool = True
     """Beyond PerCache: with the K/V tree on, a question predicted from a passage is prefilled only, and
     answered (when the cache scheduler says decoding pays) once every passage has its question, so a

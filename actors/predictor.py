@@ -9,7 +9,9 @@ In idle time it predicts queries (PerCache §4.1.2) and runs them through the sa
 abstract (topics, names, terms) from the new passages and writes a question about each of them, `stride`
 passages a round in the order they arrived, until every passage has one; after a burst
 of user queries and a quiet period, it writes questions in their style. Each predicted question
-populates the K/V tree, and the QA bank with an answer when the cache scheduler says decoding pays
+populates the K/V tree (and each passage of a knowledge round is prefilled alone as well where no
+cached path starts with it, `RagConfig.passage_roots`), and the QA bank with an answer when the cache
+scheduler says decoding pays
 (`scheduler.ragcache.CacheScheduler.populate`; a question about a passage is prefilled only at first,
 `RagConfig.answers_after_coverage`). When no round is due it converts across levels (PerCache
 §4.3.3): it decodes stored questions that lack an answer, and once the K/V tree's cap has grown, it
@@ -216,7 +218,7 @@ class QueryPredictor:
             done.append(self._round(app, work, now) if work is not None else self._convert(app, now))
             if done[-1].get("preempted"):
                 break
-        return [d for d in done if d["questions"] or d.get("prefilled") or d.get("preempted")]
+        return [d for d in done if d["questions"] or d.get("prefilled") or d.get("roots") or d.get("preempted")]
 
     def _convert(self, app: str, now: float) -> dict:
         """Cross-layer conversion (PerCache §4.3.3), up to `stride` questions of each kind: decode stored
@@ -281,9 +283,12 @@ class QueryPredictor:
         t0 = time.perf_counter()
         try:
             if col is not None:
-                questions, cursor = (self._from_knowledge(app, col, work.stride) if work.kind == "knowledge"
-                                     else (self._from_history(app, col, work.stride), None))
+                questions, cursor, passages = (self._from_knowledge(app, col, work.stride) if work.kind == "knowledge"
+                                               else (self._from_history(app, col, work.stride), None, []))
                 cfg = self.rag.config
+                for chunk in passages if cfg.passage_roots else []:
+                    if self.rag.cache_passage(app, chunk):
+                        out["roots"] = out.get("roots", 0) + 1
                 pop = self.scheduler.populate(cfg.tau_query, qa_bank=cfg.qa_bank, kv_tree=cfg.kv_tree,
                                               from_passages=work.kind == "knowledge")
                 for q in questions:
@@ -315,15 +320,15 @@ class QueryPredictor:
         return self.executor.rag_call(RagCall(app, "", ids, [], [], {"max_tokens": max_tokens},
                                               background=True)).text
 
-    def _from_knowledge(self, app: str, collection: str, n: int) -> tuple[list[str], int | None]:
+    def _from_knowledge(self, app: str, collection: str, n: int) -> tuple[list[str], int | None, list[int]]:
         """The next `n` passages without a question (after the collection's cursor): the terms of the
         first four merged into its abstract, then one question about each, framed by the abstract.
-        Returns the questions and the last passage's id, the cursor once the round is done (None when
-        none was left)."""
+        Returns the questions, the last passage's id, the cursor once the round is done (None when
+        none was left), and the passages' ids."""
         c = self._app(app)["collections"].setdefault(collection, {"abstract": "", "cursor": 0})
         passages = self.bank.chunks_after(app, collection, c.get("cursor", 0), n)
         if not passages:
-            return [], None
+            return [], None, []
         terms = self._generate(app, ABSTRACT_PROMPT.format(passages="\n\n".join(p.text for p in passages[:4])), 32)
         abstract = (c["abstract"] + ", " + terms.strip()).strip(", ")[-ABSTRACT_CHARS:]
         questions: list[str] = []
@@ -331,7 +336,7 @@ class QueryPredictor:
             text = self._generate(app, KNOWLEDGE_PROMPT.format(abstract=abstract, passage=p.text), 24)
             questions += [q for q in parse_questions(text, 1) if q.lower() not in {x.lower() for x in questions}]
         c["abstract"] = abstract  # not before: a round preempted midway merges the same terms again
-        return questions, passages[-1].id
+        return questions, passages[-1].id, [p.id for p in passages]
 
     def _from_history(self, app: str, collection: str, n: int) -> list[str]:
         recent = self._app(app)["recent"].get(collection, [])

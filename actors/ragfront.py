@@ -27,6 +27,9 @@ from scheduler.ragcache import QAEntry, match_query, missing_kv, plan_qa_evictio
 from scheduler.ragtree import KVTree, plan_tree_eviction
 from storage.ragstore import QAEntryNotFoundError
 
+ROOT_QUESTION = "What does this passage say?"
+"""The question after a passage prefilled alone (`RagCache.cache_passage`): the prompt needs one, and
+the K/V of what follows the passage is not kept."""
 BLENDED_PATHS = 1024
 """Blended retrieval paths remembered (`RagCache._plan`), per service."""
 LEVELS = ("qa_bank", "kv_tree", "miss")
@@ -170,6 +173,25 @@ class RagCache:
             reused_chunks=reused_nodes, reused_tokens=reused_tokens, retrieved_tokens=passage_tokens,
             prompt_tokens=len(prompt.ids), latency=lat, blended_tokens=out.blended_tokens,
             recomputed_tokens=out.recomputed_tokens)
+
+    def cache_passage(self, app: str, chunk: int, *, adapter: str = "", background: bool = True) -> bool:
+        """Give passage `chunk` (an id of `app`'s) a root node, the K/V of it alone right after the
+        prompt's head, unless the tree has one: a question whose best passage it is then reuses at least
+        that node, whatever comes after it. Prefill only (the question after it is a placeholder, not
+        kept). Returns whether it prefilled (False with the K/V tree off)."""
+        if not self.config.kv_tree:
+            return False
+        with self._tree_lock:
+            if self.tree(app, adapter).match([chunk]):
+                return False
+        prompt = self.template.build([list(self.bank.chunk(app, chunk).token_ids)], ROOT_QUESTION)
+        with self._tree_lock:
+            call, matched, _ = self._plan(app, adapter, [chunk], prompt, False, {"max_tokens": 1}, blend=False)
+            call.background = background
+        out = self.run(call)
+        with self._tree_lock:
+            self._update_tree(app, adapter, [chunk], prompt, out, matched[:max(0, len(out.loaded) - 1)])
+        return True
 
     def _streamed(self, call: RagCall):
         """The model's call through `run_stream`: yields its text deltas, returns its `RagOutcome`."""

@@ -12,7 +12,8 @@ stride and idle budget for all):
 
 Run only when named (this project's variants, never a baseline): `PerCache-answers-at-once` (a question
 predicted from a passage decoded at once, PerCache's own rule, `RagConfig.answers_after_coverage` off),
-`RAGCache+blend` and `PerCache+blend` (passages cached after another prefix blended, `--blend-ratio`).
+`PerCache-paths-only` (no passage prefilled alone, `RagConfig.passage_roots` off), `RAGCache+blend` and
+`PerCache+blend` (passages cached after another prefix blended, `--blend-ratio`).
 
 Each (question set, user, system) runs in a fresh data directory: the user's documents go into one
 collection through the query predictor, then the user's questions are asked in their order, one every
@@ -62,6 +63,7 @@ SYSTEMS = {  # name -> RagConfig switches (qa_bank, kv_tree) and whether the pre
     # this project's variants (`extra`: run when named, never a baseline): PerCache's own population rule
     "PerCache-answers-at-once": dict(qa_bank=True, kv_tree=True, predict=True, answers_after_coverage=False,
                                      extra=True),
+    "PerCache-paths-only": dict(qa_bank=True, kv_tree=True, predict=True, passage_roots=False, extra=True),
     # beyond PerCache (CacheBlend): passages cached after another prefix, moved and partly recomputed
     "RAGCache+blend": dict(qa_bank=False, kv_tree=True, predict=False, blend=True, extra=True),
     "PerCache+blend": dict(qa_bank=True, kv_tree=True, predict=True, blend=True, extra=True),
@@ -519,7 +521,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(
         prog="python -m bench.rag", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Systems: " + ", ".join(SYSTEMS) + " (the last three only when named). Progress goes to stderr; "
+        epilog="Systems: " + ", ".join(SYSTEMS) + " (the last four only when named). Progress goes to stderr; "
                "the results section to stdout.")
     ap.add_argument("--users", nargs="+", default=rag_data.users(), choices=rag_data.users(),
                     help="users of bench.rag_data (default all)")

@@ -76,6 +76,9 @@ def test_it_predicts_only_when_idle_and_due_and_fills_both_levels(tmp_path, engi
     entries = p.store.qa_entries("app", col, "")
     assert {e.question for e in entries} == set(done["questions"]) and all(e.predicted for e in entries)
     assert all(e.answer is None for e in entries) and len(p.rag.tree("app")) >= 1
+    # every passage of the round heads a path of its own (passage_roots), whatever its question retrieved
+    assert all(p.rag.tree("app").match([c.id]) for c in p.bank.chunks_after("app", col, 0, 10))
+    assert len([c for c in ex.calls if c.save or c.load]) == len(done["questions"]) + done.get("roots", 0)
     assert [c.decode for c in ex.calls[-len(entries):]] == [False] * len(entries)
     spent = p.idle.spent_today("app", clock.t + 90)
     assert spent > 0
@@ -89,15 +92,16 @@ def test_it_predicts_only_when_idle_and_due_and_fills_both_levels(tmp_path, engi
     assert p.tick(clock.t + 95) == []  # nothing new is due
 
 
-def test_with_percaches_own_rule_a_predicted_question_is_answered_at_once(tmp_path, engine, embedder):
+def test_percaches_own_rules_answer_at_once_and_cache_no_passage_alone(tmp_path, engine, embedder):
     clock = Clock()
-    p, ex = predictor(tmp_path, engine, embedder, clock, answers_after_coverage=False)
+    p, ex = predictor(tmp_path, engine, embedder, clock, answers_after_coverage=False, passage_roots=False)
     col = p.create_collection("app", "facts")
     for d in DOCS:
         p.add_document("app", col, d)
     (done,) = p.tick(clock.t + 100)
     entries = p.store.qa_entries("app", col, "")
     assert done["kind"] == "knowledge" and {e.question for e in entries} == set(done["questions"])
+    assert "roots" not in done and len([c for c in ex.calls if c.save or c.load]) == len(done["questions"])
     assert entries and all(e.answer for e in entries) and p.tick(clock.t + 110) == []
 
 

@@ -86,6 +86,20 @@ def test_answers_from_cached_nodes_are_those_of_the_whole_prefill(tmp_path, engi
     assert all(c.save == [] for c in again.calls)
 
 
+def test_a_passage_cached_alone_is_reused_exactly_by_a_question_it_heads(tmp_path, engine, embedder, naive):
+    p = Parts(tmp_path, engine, embedder, qa_bank=False)
+    col, _ = p.add("app")
+    q = QUESTIONS[0]
+    first = naive[q].sources[0]["chunk"]
+    assert p.cache.cache_passage("app", first) and not p.cache.cache_passage("app", first)  # once
+    (root,) = p.cache.tree("app").match([first])
+    assert root.nbytes > 0 and not p.calls[-1].decode
+    a = p.cache.query("app", col, q, max_tokens=12)
+    assert a.reused_chunks == 1 and a.level == "kv_tree" and a.token_ids == naive[q].token_ids
+    off = Parts(tmp_path / "off", engine, embedder, kv_tree=False)
+    assert not off.cache.cache_passage("app", first) and off.calls == []
+
+
 def test_blending_takes_other_paths_nodes_and_with_everything_recomputed_answers_as_the_whole_prefill(
         tmp_path, engine, embedder, naive):
     p = Parts(tmp_path, engine, embedder, qa_bank=False, blend_ratio=1.0)
