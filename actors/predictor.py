@@ -9,11 +9,10 @@ In idle time it predicts queries (PerCache §4.1.2) and runs them through the sa
 abstract (topics, names, terms) from the new passages and writes a question about each of them, `stride`
 passages a round in the order they arrived, until every passage has one; after a burst
 of user queries and a quiet period, it writes questions in their style. Each predicted question
-populates the K/V tree (and each passage of a knowledge round is prefilled alone as well where no
-cached path starts with it, `RagConfig.passage_roots`), and the QA bank with an answer when the cache
-scheduler says decoding pays
-(`scheduler.ragcache.CacheScheduler.populate`; a question about a passage is prefilled only at first,
-`RagConfig.answers_after_coverage`). When no round is due it converts across levels (PerCache
+populates the K/V tree (each passage of a knowledge round is also prefilled alone where no cached path
+starts with it, `RagConfig.passage_roots`), and the QA bank with an answer when the cache scheduler
+says decoding pays (`scheduler.ragcache.CacheScheduler.populate`; a question about a passage is
+prefilled only at first, `RagConfig.answers_after_coverage`). When no round is due it converts across levels (PerCache
 §4.3.3): it decodes stored questions that lack an answer, and once the K/V tree's cap has grown, it
 prefills again the stored questions whose nodes were evicted. The work is low priority (`RagCall.background`): it
 runs only when the executor has been idle `IdlePolicy.idle_after_s`, within a per-app daily budget of

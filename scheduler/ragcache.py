@@ -21,8 +21,9 @@ prefilled and decoded. When ``tau_query`` falls to the cutoff or below, the stor
 answer are decoded; when the K/V cap is raised, the entries whose K/V was evicted are prefilled again.
 Beyond PerCache, two rules spend the idle budget where it buys most: nothing is decoded for a QA bank
 that is off, and (``answers_after_coverage``, with a K/V tree) a question predicted from a passage is
-prefilled only, so the budget first covers every passage's K/V; its answer is decoded by the conversion, which runs when
-no prediction round is due (every passage has its question), if decoding pays.
+prefilled only, so the budget first covers every passage's K/V; its answer is decoded by the
+conversion, which runs when no prediction round is due (every passage has its question), if decoding
+pays.
 
 **Idle work** (§4.1.2: :class:`IdleState`). The predictor runs only while no real call is in flight,
 none ended for ``idle_after_s``, the app's daily budget of model time is not spent and, optionally,
