@@ -92,13 +92,21 @@ def test_it_predicts_only_when_idle_and_due_and_fills_both_levels(tmp_path, engi
     assert p.tick(clock.t + 95) == []  # nothing new is due
 
 
-def test_percaches_own_rules_answer_at_once_and_cache_no_passage_alone(tmp_path, engine, embedder):
-    clock = Clock()
-    p, ex = predictor(tmp_path, engine, embedder, clock, answers_after_coverage=False, passage_roots=False)
+def first_round(tmp_path, engine, embedder, clock, **cfg):
+    """A predictor over DOCS after its first knowledge round: the predictor, its executor, the
+    collection and what the round did."""
+    p, ex = predictor(tmp_path, engine, embedder, clock, **cfg)
     col = p.create_collection("app", "facts")
     for d in DOCS:
         p.add_document("app", col, d)
     (done,) = p.tick(clock.t + 100)
+    return p, ex, col, done
+
+
+def test_percaches_own_rules_answer_at_once_and_cache_no_passage_alone(tmp_path, engine, embedder):
+    clock = Clock()
+    p, ex, col, done = first_round(tmp_path, engine, embedder, clock, answers_after_coverage=False,
+                                   passage_roots=False)
     entries = p.store.qa_entries("app", col, "")
     assert done["kind"] == "knowledge" and {e.question for e in entries} == set(done["questions"])
     assert "roots" not in done and len([c for c in ex.calls if c.save or c.load]) == len(done["questions"])
@@ -106,12 +114,7 @@ def test_percaches_own_rules_answer_at_once_and_cache_no_passage_alone(tmp_path,
 
 
 def test_without_a_qa_bank_nothing_predicted_is_decoded(tmp_path, engine, embedder):
-    clock = Clock()
-    p, ex = predictor(tmp_path, engine, embedder, clock, qa_bank=False, answers_after_coverage=False)
-    col = p.create_collection("app", "facts")
-    for d in DOCS:
-        p.add_document("app", col, d)
-    (done,) = p.tick(clock.t + 100)
+    p, ex, col, done = first_round(tmp_path, engine, embedder, Clock(), qa_bank=False, answers_after_coverage=False)
     queries = [c for c in ex.calls if c.save or c.load]  # the predicted questions' (the rest write text)
     assert done["questions"] and queries and not any(c.decode for c in queries)
     assert len(p.rag.tree("app")) >= 1 and p.store.qa_entries("app", col, "") == []
