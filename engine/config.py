@@ -148,6 +148,13 @@ class EngineConfig:
     """With bf16 weights on a CPU with AMX tiles, prefill and recompute attention (16 rows or more) take
     their two products, Q K^T and P V, in bfloat16 on the tiles (engine/attention_amx.c; softmax, sums
     and density stay float32); False keeps them float32 (engine/attention.c)."""
+    weight_prefetch_rows: int = 4
+    """int4 and int8 products of few rows on the CPU (decode) ask for the weight's row this many rows
+    ahead of the one they multiply to come into the cache (engine/qmatmul.c); 0: no software prefetch."""
+    native_norm: bool = True
+    """RMSNorm of float32 rows on the CPU in one compiled pass (engine/rmsnorm.c) instead of six torch
+    operators: a decode step runs 61 of them on one row each for the default model, where operator
+    dispatch is the cost (docs/benchmarks.md, "Quantized weights"); False keeps the torch operators."""
     copy_weights: bool = True
     """On the CPU, quantized weights (int4, int8 layers and LM head) are copied out of the mapped
     cache file into this process's memory at load: int4 decode at the 1.2B shape ran 1.17-1.27x
@@ -184,6 +191,8 @@ class EngineConfig:
             raise ValueError("max_context_tokens must be >= 0")
         if self.prefill_partition_rows < 0:
             raise ValueError("prefill_partition_rows must be >= 0")
+        if self.weight_prefetch_rows < 0:
+            raise ValueError("weight_prefetch_rows must be >= 0 (0: no prefetch)")
         if self.weights_resident_bytes is not None and self.weights_resident_bytes < 0:
             raise ValueError("weights_resident_bytes must be >= 0 (None: every weight resident)")
         self.weights = WeightFormat.parse(self.weights).tag  # validates; one spelling per format

@@ -43,7 +43,7 @@ from engine.kvcache import KVCache
 from engine.kvspill import RowSpill
 from engine.loader import copy_out
 from engine.lora import Adapter
-from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
+from engine.qlinear import PREFETCH_ROWS, Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
 from engine.quant import WeightFormat
 from engine.threads import load_on_torch_team
 
@@ -60,6 +60,7 @@ MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alon
 _NO_DELTAS: dict = {}  # a layer's adapter deltas without an adapter (read only; not made anew per layer)
 _ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
 _ATTENTION_AMX: list = []  # [library or None]: engine/attention_amx.c, built and granted the tiles on first use
+_NORM: list = []  # [library or None]: engine/rmsnorm.c, built on first use
 
 
 def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -103,6 +104,18 @@ def amx_attention_kernel():
     return _ATTENTION_AMX[0]
 
 
+def norm_kernel():
+    """engine/rmsnorm.c with its signature declared, or None (off, or no compiler)."""
+    if not _NORM:
+        lib = load_on_torch_team("rmsnorm", Path(__file__).with_name("rmsnorm.c"))
+        if lib is not None:
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            lib.rms_norm_rows.argtypes = (ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int)
+            lib.rms_norm_rows.restype = ctypes.c_int
+        _NORM.append(lib)
+    return _NORM[0]
+
+
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
@@ -134,7 +147,8 @@ class RecomputeJob:
 
 
 def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
-                 fmt: WeightFormat | None = None, *, int8_activations: bool = True, copy: bool = False) -> Weights:
+                 fmt: WeightFormat | None = None, *, int8_activations: bool = True, copy: bool = False,
+                 prefetch_rows: int = PREFETCH_ROWS) -> Weights:
     """Build engine weights from engine-layout arrays (float ones from `fuse_hf`, or a weight format's
     from engine.weightcache). On the CPU nothing already in its compute type is copied: the tensors
     view the arrays (a read-only mmap shares its pages with every process on the node). bf16 weights
@@ -161,9 +175,10 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
         if name + ".min" in arrays:
             return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), own(arrays[name + ".min"]), fmt.group,
                               bias=b, device=device, int8_activations=int8_activations,
-                              device_pack=dtype == torch.bfloat16)
+                              device_pack=dtype == torch.bfloat16, prefetch_rows=prefetch_rows)
         if name + ".q" in arrays:
-            return Int8Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), bias=b, device=device)
+            return Int8Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), bias=b, device=device,
+                              prefetch_rows=prefetch_rows)
         w = stored(name)
         if w is None:
             raise KeyError(f"weights lack {name!r}")
@@ -265,6 +280,7 @@ class Transformer:
         self.step_hook = None
         """Called as `step_hook(step, layer)` after each step of a block (`qkv`, `attention`, `mlp`):
         where `engine.memtrack.TensorTracker.mark` measures the prefill memory estimate's steps."""
+        self._norm_lib = norm_kernel() if self.engine_cfg.native_norm and self.device.type == "cpu" else None
 
 
     @property
@@ -295,7 +311,8 @@ class Transformer:
         cfg, arrays = engine_arrays(directory, fingerprint, fmt, progress=progress)
         weights = load_weights(arrays, cfg, device, dtype, fmt, int8_activations=engine_cfg.int8_activations,
                                copy=engine_cfg.copy_weights and device.type == "cpu"
-                               and engine_cfg.weights_resident_bytes is None)  # streamed weights stay mapped
+                               and engine_cfg.weights_resident_bytes is None,  # streamed weights stay mapped
+                               prefetch_rows=engine_cfg.weight_prefetch_rows)
         model = cls(cfg, weights, engine_cfg)
         model.fingerprint = fingerprint or ""
         if engine_cfg.weights_resident_bytes is not None:
@@ -421,7 +438,7 @@ class Transformer:
             x = x[-1:]
         if self.weight_pager is not None:
             self.weight_pager.use(self.cfg.n_layers)
-        logits = self.w.lm_head(rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)).float()
+        logits = self.w.lm_head(self.norm(x, self.w.norm)).float()
         return logits if all_logits else logits[0]
 
     # ---- recompute (LLMS Fig. 7) -------------------------------------------------------------------
@@ -488,7 +505,7 @@ class Transformer:
         lora = adapter.layers[layer] if adapter is not None else _NO_DELTAS
         n = x.shape[0]
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        h = self.norm(x, w.attn_norm)
         qkv = w.wqkv(h)  # [n, (Hq + 2 Hkv) D]
         if "wqkv" in lora:
             lora["wqkv"].add_into(qkv, h)
@@ -512,7 +529,7 @@ class Transformer:
             lora["wo"].add_into(x, attn)
         if self.step_hook is not None:
             self.step_hook("attention", layer)
-        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        h = self.norm(x, w.mlp_norm)
         gate_up = w.w_gate_up(h)  # [n, 2 I]
         if "w_gate_up" in lora:
             lora["w_gate_up"].add_into(gate_up, h)
@@ -522,6 +539,17 @@ class Transformer:
         if "w_down" in lora:
             lora["w_down"].add_into(x, act)
         return x
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of rows `x` `[n, hidden]` with weight `w`: in engine/rmsnorm.c for float32 rows on the
+        CPU (`EngineConfig.native_norm`), else `rms_norm`'s torch operators; a new tensor either way."""
+        if self._norm_lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.stride(-1) != 1 \
+                or x.dim() != 2 or x.device.type != "cpu":
+            return rms_norm(x, w, self.cfg.rms_norm_eps)
+        y = torch.empty(x.shape, dtype=torch.float32)
+        self._norm_lib.rms_norm_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], w.data_ptr(),
+                                     self.cfg.rms_norm_eps, y.data_ptr(), y.stride(0), torch.get_num_threads())
+        return y
 
     def _attend(self, layer, q, pos, cache, density) -> torch.Tensor:
         """Attention of rows `q` `[n, Hq, D]` at ascending positions `pos` over the cache; `[n, Hq D]`.

@@ -41,12 +41,15 @@ from engine.threads import load_on_torch_team
 from engine.quant import BLOCK, groups_of
 
 _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
+PREFETCH_ROWS = 4
+"""Rows of a quantized weight ahead of the current one that the compiled products prefetch
+(`EngineConfig.weight_prefetch_rows`)."""
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.q4_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int, c_int, c_int)
-    lib.q8_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int, c_int)
+    lib.q4_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int, c_int, c_int, c_int)
+    lib.q8_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int, c_int, c_int)
     lib.q4_dequantize.argtypes = (ptr, ptr, ptr, i64, i64, i64, ptr, i64, c_int, c_int)
     lib.q8_dequantize.argtypes = (ptr, ptr, i64, i64, ptr, i64, c_int, c_int)
     for f in (lib.q4_matmul, lib.q8_matmul, lib.q4_dequantize, lib.q8_dequantize, lib.qm_max_rows, lib.qm_openmp,
@@ -135,10 +138,13 @@ class _QuantLinear(Linear):
     """Shared dispatch of the quantized formats: few float32 rows on the CPU to the compiled product,
     the rest through a de-quantized weight."""
 
-    __slots__ = ("lib", "threads_fn", "max_rows")
+    __slots__ = ("lib", "threads_fn", "max_rows", "prefetch_rows")
 
-    def _setup(self, device: torch.device, bias) -> None:
+    def _setup(self, device: torch.device, bias, prefetch_rows: int) -> None:
+        if prefetch_rows < 0:
+            raise ValueError(f"prefetch_rows must be >= 0, not {prefetch_rows}")
         self.bias = bias
+        self.prefetch_rows = prefetch_rows
         self.lib = kernels() if device.type == "cpu" else None
         self.threads_fn = torch.get_num_threads
         self.max_rows = self.lib.qm_max_rows() if self.lib is not None else 0  # rows the compiled product takes
@@ -183,7 +189,8 @@ class Int4Linear(_QuantLinear):
     __slots__ = ("q", "scale", "mins", "group", "int8_activations", "packed", "scales_zeros")
 
     def __init__(self, q, scale, mins, group: int, *, bias=None, device=torch.device("cpu"),
-                 int8_activations: bool = True, device_pack: bool = False) -> None:
+                 int8_activations: bool = True, device_pack: bool = False,
+                 prefetch_rows: int = PREFETCH_ROWS) -> None:
         device = torch.device(device)
         self.q, self.scale, self.mins = _tensor(q), _tensor(scale), _tensor(mins)  # uint8 [n, k/2], fp16 [n, G] x2
         self.group = group
@@ -197,7 +204,7 @@ class Int4Linear(_QuantLinear):
             self._pack_for(device)
         if self.packed is None:
             self.q, self.scale, self.mins = self.q.to(device), self.scale.to(device), self.mins.to(device)
-        self._setup(device, bias)
+        self._setup(device, bias, prefetch_rows)
         self.int8_activations = bool(int8_activations and self.lib is not None and self.lib.qm_int8_activations())
 
     def _pack_for(self, device: torch.device) -> None:
@@ -230,7 +237,8 @@ class Int4Linear(_QuantLinear):
     def _product(self, x, y, *, accumulate):
         rc = self.lib.q4_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.q.data_ptr(),
                                 self.scale.data_ptr(), self.mins.data_ptr(), self.n, self.group, y.data_ptr(),
-                                y.stride(0), int(accumulate), self.threads_fn(), int(self.int8_activations))
+                                y.stride(0), int(accumulate), self.threads_fn(), int(self.int8_activations),
+                                self.prefetch_rows)
         if rc:
             raise RuntimeError("int4 product refused its arguments")
 
@@ -265,18 +273,18 @@ class Int8Linear(_QuantLinear):
 
     __slots__ = ("q", "scale")
 
-    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu")) -> None:
+    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu"), prefetch_rows: int = PREFETCH_ROWS) -> None:
         self.q = _tensor(q).to(device)  # [n, k] int8
         self.scale = _tensor(scale).to(device)  # [n] float32
         self.n, self.k = self.q.shape
         if self.scale.shape != (self.n,):
             raise ValueError(f"int8 scales of shape {tuple(self.scale.shape)} for a [{self.n}, {self.k}] weight")
-        self._setup(torch.device(device), bias)
+        self._setup(torch.device(device), bias, prefetch_rows)
 
     def _product(self, x, y, *, accumulate):
         rc = self.lib.q8_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.q.data_ptr(),
                                 self.scale.data_ptr(), self.n, y.data_ptr(), y.stride(0), int(accumulate),
-                                self.threads_fn())
+                                self.threads_fn(), self.prefetch_rows)
         if rc:
             raise RuntimeError("int8 product refused its arguments")
 

@@ -95,7 +95,26 @@ typedef struct {
     uint16_t *ybf16; /* de-quantize into bfloat16 instead of float32 when set */
     int accumulate;
     int threads;
+    int prefetch_rows; /* products: rows of W ahead of the current one asked into the cache (0: none) */
 } job_t;
+
+/* Software prefetch of later rows of W. A product reads W once, row after row, a few hundred bytes a
+ * row at the default model's widths, between other work that takes the cache; each row asks for the
+ * one `prefetch_rows` ahead (docs/benchmarks.md, "Tuning at the edge"). */
+/* Ask for `bytes` from `p` on to come into the cache. */
+static inline void prefetch(const void *p, i64 bytes) {
+    for (i64 o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 0);
+}
+
+/* Prefetch row j + prefetch_rows of an int4 W (values, scales, minimums), where it is before j1. */
+static inline void q4_prefetch(const job_t *jb, i64 j, i64 j1) {
+    const i64 a = j + jb->prefetch_rows;
+    if (jb->prefetch_rows == 0 || a >= j1) return;
+    const i64 groups = (jb->k + jb->group - 1) / jb->group;
+    prefetch(jb->q + a * (jb->k / 2), jb->k / 2);
+    prefetch(jb->scale + a * groups, groups * 2);
+    prefetch(jb->mins + a * groups, groups * 2);
+}
 
 /* ---- int4 ---------------------------------------------------------------------------------------- */
 
@@ -221,6 +240,7 @@ static void q4_rows(const job_t *jb, i64 j0, i64 j1) {
 #if Q4_VNNI
     if (jb->xq) {
         for (i64 j = j0; j < j1; j++) {
+            q4_prefetch(jb, j, j1);
             switch (jb->m) {
             case 1: q4_row_vnni(jb, j, 1, sc, mn); break;
             case 2: q4_row_vnni(jb, j, 2, sc, mn); break;
@@ -232,6 +252,7 @@ static void q4_rows(const job_t *jb, i64 j0, i64 j1) {
     }
 #endif
     for (i64 j = j0; j < j1; j++) {
+        q4_prefetch(jb, j, j1);
         switch (jb->m) { /* constant row counts: the accumulators stay in registers */
         case 1: q4_row(jb, j, 1, sc, mn); break;
         case 2: q4_row(jb, j, 2, sc, mn); break;
@@ -298,6 +319,7 @@ static inline __attribute__((always_inline)) void q8_row(const job_t *jb, i64 j,
 
 static void q8_rows(const job_t *jb, i64 j0, i64 j1) {
     for (i64 j = j0; j < j1; j++) {
+        if (jb->prefetch_rows && j + jb->prefetch_rows < j1) prefetch(jb->q + (j + jb->prefetch_rows) * jb->k, jb->k);
         switch (jb->m) {
         case 1: q8_row(jb, j, 1); break;
         case 2: q8_row(jb, j, 2); break;
@@ -397,15 +419,17 @@ int qm_int8_activations(void) { return Q4_VNNI; }
 
 /* y[m, n] (+)= x[m, k] W^T, W int4 [n, k] (k a multiple of 32, group a multiple of 32); m <= MAX_ROWS.
  * `int8_activations`: quantize x per block of 32 and use the VNNI products where they were compiled
- * (`qm_int8_activations`). Returns 0, or -1 for arguments out of range. */
+ * (`qm_int8_activations`). `prefetch_rows`: rows of W ahead asked into the cache (0: none). Returns 0,
+ * or -1 for arguments out of range. */
 int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uint16_t *scale,
               const uint16_t *mins, i64 n, i64 group, float *y, i64 ldy, int accumulate, int threads,
-              int int8_activations) {
-    if (m < 1 || m > MAX_ROWS || k % BLOCK || group < BLOCK || group % BLOCK) return -1;
+              int int8_activations, int prefetch_rows) {
+    if (m < 1 || m > MAX_ROWS || k % BLOCK || group < BLOCK || group % BLOCK || prefetch_rows < 0) return -1;
     const i64 groups = (k + group - 1) / group;
     float xsum[m * groups]; /* at most 8 rows x k / 32 floats */
     job_t jb = {.kind = 4, .x = x, .m = m, .k = k, .n = n, .group = group, .ldx = ldx, .ldy = ldy, .q = q,
-                .scale = scale, .mins = mins, .xsum = xsum, .y = y, .accumulate = accumulate, .threads = threads};
+                .scale = scale, .mins = mins, .xsum = xsum, .y = y, .accumulate = accumulate, .threads = threads,
+                .prefetch_rows = prefetch_rows};
 #if Q4_VNNI
     int8_t xq[m * k + 64];
     float xd[m * (k / BLOCK) + 1];
@@ -450,12 +474,14 @@ int q4_matmul(const float *x, i64 m, i64 ldx, i64 k, const uint8_t *q, const uin
     return 0;
 }
 
-/* y[m, n] (+)= x[m, k] W^T, W int8 [n, k] with a float32 scale a row (k a multiple of 16); m <= MAX_ROWS. */
+/* y[m, n] (+)= x[m, k] W^T, W int8 [n, k] with a float32 scale a row (k a multiple of 16); m <= MAX_ROWS;
+ * `prefetch_rows` as for q4_matmul. */
 int q8_matmul(const float *x, i64 m, i64 ldx, i64 k, const int8_t *q, const float *scale, i64 n, float *y,
-              i64 ldy, int accumulate, int threads) {
-    if (m < 1 || m > MAX_ROWS || k % 16) return -1;
+              i64 ldy, int accumulate, int threads, int prefetch_rows) {
+    if (m < 1 || m > MAX_ROWS || k % 16 || prefetch_rows < 0) return -1;
     job_t jb = {.kind = 8, .x = x, .m = m, .k = k, .n = n, .ldx = ldx, .ldy = ldy, .q = (const uint8_t *)q,
-                .scale8 = scale, .y = y, .accumulate = accumulate, .threads = threads};
+                .scale8 = scale, .y = y, .accumulate = accumulate, .threads = threads,
+                .prefetch_rows = prefetch_rows};
     run(&jb);
     return 0;
 }

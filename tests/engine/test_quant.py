@@ -94,6 +94,25 @@ def test_int4_products_with_int8_activations_stay_within_their_rounding(group):
         assert (out - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt() < 0.01
 
 
+def test_prefetch_distance_never_changes_a_product():
+    """`prefetch_rows` (EngineConfig.weight_prefetch_rows) only asks for rows ahead: int4 (float and
+    int8 rows) and int8 products are bit for bit those without it, at distances short of, equal to and
+    beyond the weight's rows; a negative distance is refused."""
+    if kernels() is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((70, 576)).astype(np.float32)
+    x = torch.randn(3, 576)
+    for make in (lambda p: Int4Linear(*quant.quantize_int4(w, 32), 32, prefetch_rows=p),
+                 lambda p: Int4Linear(*quant.quantize_int4(w, 32), 32, prefetch_rows=p, int8_activations=False),
+                 lambda p: Int8Linear(*quant.quantize_int8(w), prefetch_rows=p)):
+        base = make(0)(x)
+        for p in (1, 4, 70, 1000):
+            assert torch.equal(make(p)(x), base), p
+        with pytest.raises(ValueError):
+            make(-1)
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_int8_products_and_rows_match_the_dequantized_float_product(native):
     if native and kernels() is None:
