@@ -35,6 +35,8 @@ QUANTIZED_ONLY = {"weight_prefetch_rows 0"}
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.decode_switches", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF or checkpoint directory (default: the default model; "
+                    "bench.quantized's 1.2B shape is written by bench.model_files)")
     ap.add_argument("--formats", nargs="+", default=["fp32", "int4", "int8"], help="weight formats (default fp32 int4 int8)")
     ap.add_argument("--rounds", type=int, default=8, help="rounds; the variant order rotates (default 8)")
     ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt before the decode (default 256)")
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    resolved = resolve_model(progress=False)
+    resolved = resolve_model(args.model, progress=False)
     prompt = np.random.default_rng(0).integers(100, 40000, args.prompt_tokens).tolist()
     capacity = args.prompt_tokens + args.decode_tokens + 16
 
@@ -96,10 +98,11 @@ def main(argv=None) -> int:
         tables.append((fmt, labels, times, same))
         del models
 
-    lines = [f"Command: `python -m bench.decode_switches --formats {' '.join(args.formats)} --rounds {args.rounds}"
+    model_arg = f" --model {args.model}" if args.model else ""
+    lines = [f"Command: `python -m bench.decode_switches{model_arg} --formats {' '.join(args.formats)} --rounds {args.rounds}"
              f" --prompt-tokens {args.prompt_tokens} --decode-tokens {args.decode_tokens}`. Date: "
              f"{datetime.date.today()}. Machine: {cpu_line()}; {args.threads} threads. One process; per weight "
-             f"format the default model loaded once per variant, each round a {args.prompt_tokens}-token prompt "
+             f"format the model loaded once per variant, each round a {args.prompt_tokens}-token prompt "
              f"then {args.decode_tokens} greedy tokens timed in every variant, the order rotated over "
              f"{args.rounds} rounds; the median ms/token and the round-to-round spread (median absolute "
              f"deviation). Run took {(time.perf_counter() - t0) / 60:.1f} min.", "",

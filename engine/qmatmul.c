@@ -101,9 +101,10 @@ typedef struct {
 /* Software prefetch of later rows of W. A product reads W once, row after row, a few hundred bytes a
  * row at the default model's widths, between other work that takes the cache; each row asks for the
  * one `prefetch_rows` ahead (docs/benchmarks.md, "Tuning at the edge"). */
-/* Ask for `bytes` from `p` on to come into the cache. */
+/* Ask for `bytes` from `p` on to come into every cache level (the non-temporal hint, locality 0,
+ * made int4 decode at the 1.2B shape 20% slower, bench.decode_switches). */
 static inline void prefetch(const void *p, i64 bytes) {
-    for (i64 o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 0);
+    for (i64 o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
 /* Prefetch row j + prefetch_rows of an int4 W (values, scales, minimums), where it is before j1. */
