@@ -43,6 +43,7 @@ from engine.kvcache import KVCache
 from engine.kvspill import RowSpill
 from engine.loader import copy_out
 from engine.lora import Adapter
+from engine.norm import compiled_rms_norm, rms_norm
 from engine.qlinear import PREFETCH_ROWS, Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
 from engine.quant import WeightFormat
 from engine.threads import load_on_torch_team
@@ -60,7 +61,6 @@ MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alon
 _NO_DELTAS: dict = {}  # a layer's adapter deltas without an adapter (read only; not made anew per layer)
 _ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
 _ATTENTION_AMX: list = []  # [library or None]: engine/attention_amx.c, built and granted the tiles on first use
-_NORM: list = []  # [library or None]: engine/rmsnorm.c, built on first use
 
 
 def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -102,18 +102,6 @@ def amx_attention_kernel():
             lib = lib if lib.attn_amx_ready() == 1 else None
         _ATTENTION_AMX.append(lib)
     return _ATTENTION_AMX[0]
-
-
-def norm_kernel():
-    """engine/rmsnorm.c with its signature declared, or None (off, or no compiler)."""
-    if not _NORM:
-        lib = load_on_torch_team("rmsnorm", Path(__file__).with_name("rmsnorm.c"))
-        if lib is not None:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.rms_norm_rows.argtypes = (ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64, ctypes.c_int)
-            lib.rms_norm_rows.restype = ctypes.c_int
-        _NORM.append(lib)
-    return _NORM[0]
 
 
 @dataclass(slots=True)
@@ -238,12 +226,6 @@ def rope_angles(cfg: ModelConfig, t: torch.Tensor, device) -> tuple[torch.Tensor
     return emb.cos().to(device), emb.sin().to(device)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    r = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [n, 1]
-    return (xf * r).to(x.dtype).mul_(w)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
     """Rotate `x` `[n, H, D]` by `cos` `[n, 1, D]` and `sin_half` `[n, 1, D/2]` (the half-rotation
     layout repeats its angles, so half the sine table is all of it). The same as
@@ -280,7 +262,6 @@ class Transformer:
         self.step_hook = None
         """Called as `step_hook(step, layer)` after each step of a block (`qkv`, `attention`, `mlp`):
         where `engine.memtrack.TensorTracker.mark` measures the prefill memory estimate's steps."""
-        self._norm_lib = norm_kernel() if self.engine_cfg.native_norm and self.device.type == "cpu" else None
 
 
     @property
@@ -543,13 +524,8 @@ class Transformer:
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm of rows `x` `[n, hidden]` with weight `w`: in engine/rmsnorm.c for float32 rows on the
         CPU (`EngineConfig.native_norm`), else `rms_norm`'s torch operators; a new tensor either way."""
-        if self._norm_lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.stride(-1) != 1 \
-                or x.dim() != 2 or x.device.type != "cpu":
-            return rms_norm(x, w, self.cfg.rms_norm_eps)
-        y = torch.empty(x.shape, dtype=torch.float32)
-        self._norm_lib.rms_norm_rows(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], w.data_ptr(),
-                                     self.cfg.rms_norm_eps, y.data_ptr(), y.stride(0), torch.get_num_threads())
-        return y
+        return compiled_rms_norm(x, w, self.cfg.rms_norm_eps) if self.engine_cfg.native_norm \
+            else rms_norm(x, w, self.cfg.rms_norm_eps)
 
     def _attend(self, layer, q, pos, cache, density) -> torch.Tensor:
         """Attention of rows `q` `[n, Hq, D]` at ascending positions `pos` over the cache; `[n, Hq D]`.

@@ -1,4 +1,4 @@
-/* RMSNorm of float32 rows in one pass per row, for engine/model.py (`Transformer.norm`): y = x / sqrt(mean(x^2)
+/* RMSNorm of float32 rows in one pass per row, for engine/norm.py (`compiled_rms_norm`): y = x / sqrt(mean(x^2)
  * + eps) * w. Torch takes about six operators for it (pow, mean, add, rsqrt, two products), each a
  * dispatch of 2-5 us and a pass over the rows; a decode step runs it 61 times on one row of the
  * default model, where that dispatch, not the arithmetic, is the cost (docs/benchmarks.md,

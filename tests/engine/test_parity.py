@@ -147,7 +147,7 @@ def test_compiled_rms_norm_matches_the_torch_operators(engine):
     """`Transformer.norm` in engine/rmsnorm.c (the path every test above ran) against the torch
     operators of `rms_norm` in float64: one row (decode), a few, many (split over threads), rows of
     a wider buffer (a partition's slice); the input is left as it was; bf16 rows take torch's path."""
-    from engine.model import norm_kernel, rms_norm
+    from engine.norm import norm_kernel, rms_norm
 
     if norm_kernel() is None:
         pytest.skip("no C compiler here")
