@@ -1,5 +1,5 @@
-"""What the engine's decode-speed switches buy: decode ms/token of the default model with each switch
-on (the default) and off, per weight format, in one process.
+"""What the engine's decode-speed switches buy: decode ms/token of a model (the default one unless
+`--model`) with each switch on (the default) and off, per weight format, in one process.
 
 Per weight format the model is loaded once per variant (the default configuration, then each switch
 turned off alone); every round prefills the same prompt into a fresh cache of each variant and times
@@ -11,7 +11,7 @@ The switches: `native_norm` (RMSNorm in one compiled pass, engine/rmsnorm.c, ins
 operators) and `weight_prefetch_rows` (the int4 and int8 products of engine/qmatmul.c prefetching
 the weight's rows ahead; acts on quantized formats only).
 
-    python -m bench.decode_switches [--formats fp32 int4 int8] [--rounds 8] [--write docs/benchmarks.md]
+    python -m bench.decode_switches [--model GGUF] [--formats fp32 int4 int8] [--rounds 8] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ KV_FORMATS = ("float", "kv8")
 KV8_SCALE_BYTES = 4
 """A kv8 row is a head's D values and then one float32 scale."""
 
+WEIGHT_PREFETCH_ROWS = 4
+"""Rows of a quantized weight ahead of the current one that the compiled decode products prefetch
+(`EngineConfig.weight_prefetch_rows`'s default; docs/benchmarks.md, "Tuning at the edge")."""
+
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
@@ -148,13 +152,14 @@ class EngineConfig:
     """With bf16 weights on a CPU with AMX tiles, prefill and recompute attention (16 rows or more) take
     their two products, Q K^T and P V, in bfloat16 on the tiles (engine/attention_amx.c; softmax, sums
     and density stay float32); False keeps them float32 (engine/attention.c)."""
-    weight_prefetch_rows: int = 4
+    weight_prefetch_rows: int = WEIGHT_PREFETCH_ROWS
     """int4 and int8 products of few rows on the CPU (decode) ask for the weight's row this many rows
-    ahead of the one they multiply to come into the cache (engine/qmatmul.c); 0: no software prefetch."""
+    ahead of the one they multiply to come into the cache (engine/qmatmul.c): int8 decode of the default
+    model 22 against 29 ms a token (docs/benchmarks.md, "Tuning at the edge"); 0: no software prefetch."""
     native_norm: bool = True
     """RMSNorm of float32 rows on the CPU in one compiled pass (engine/rmsnorm.c) instead of six torch
     operators: a decode step runs 61 of them on one row each for the default model, where operator
-    dispatch is the cost (docs/benchmarks.md, "Quantized weights"); False keeps the torch operators."""
+    dispatch is the cost (docs/benchmarks.md, "Tuning at the edge"); False keeps the torch operators."""
     copy_weights: bool = True
     """On the CPU, quantized weights (int4, int8 layers and LM head) are copied out of the mapped
     cache file into this process's memory at load: int4 decode at the 1.2B shape ran 1.17-1.27x
@@ -233,4 +238,4 @@ def round_up(a: int, b: int) -> int:
 
 
 __all__ = ["ModelConfig", "RopeConfig", "EngineConfig", "resolve_device_dtype", "ceil_div", "round_up", "KV_FORMATS",
-           "KV8_SCALE_BYTES", "check_kv_format"]
+           "KV8_SCALE_BYTES", "WEIGHT_PREFETCH_ROWS", "check_kv_format"]

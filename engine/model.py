@@ -38,13 +38,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
+from engine.config import WEIGHT_PREFETCH_ROWS, EngineConfig, ModelConfig, resolve_device_dtype
 from engine.kvcache import KVCache
 from engine.kvspill import RowSpill
 from engine.loader import copy_out
 from engine.lora import Adapter
 from engine.norm import compiled_rms_norm, rms_norm
-from engine.qlinear import PREFETCH_ROWS, Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
+from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
 from engine.quant import WeightFormat
 from engine.threads import load_on_torch_team
 
@@ -136,7 +136,7 @@ class RecomputeJob:
 
 def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
                  fmt: WeightFormat | None = None, *, int8_activations: bool = True, copy: bool = False,
-                 prefetch_rows: int = PREFETCH_ROWS) -> Weights:
+                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS) -> Weights:
     """Build engine weights from engine-layout arrays (float ones from `fuse_hf`, or a weight format's
     from engine.weightcache). On the CPU nothing already in its compute type is copied: the tensors
     view the arrays (a read-only mmap shares its pages with every process on the node). bf16 weights

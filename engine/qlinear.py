@@ -37,13 +37,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.config import WEIGHT_PREFETCH_ROWS
 from engine.threads import load_on_torch_team
 from engine.quant import BLOCK, groups_of
 
 _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
-PREFETCH_ROWS = 4
-"""Rows of a quantized weight ahead of the current one that the compiled products prefetch
-(`EngineConfig.weight_prefetch_rows`)."""
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -190,7 +188,7 @@ class Int4Linear(_QuantLinear):
 
     def __init__(self, q, scale, mins, group: int, *, bias=None, device=torch.device("cpu"),
                  int8_activations: bool = True, device_pack: bool = False,
-                 prefetch_rows: int = PREFETCH_ROWS) -> None:
+                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS) -> None:
         device = torch.device(device)
         self.q, self.scale, self.mins = _tensor(q), _tensor(scale), _tensor(mins)  # uint8 [n, k/2], fp16 [n, G] x2
         self.group = group
@@ -273,7 +271,7 @@ class Int8Linear(_QuantLinear):
 
     __slots__ = ("q", "scale")
 
-    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu"), prefetch_rows: int = PREFETCH_ROWS) -> None:
+    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu"), prefetch_rows: int = WEIGHT_PREFETCH_ROWS) -> None:
         self.q = _tensor(q).to(device)  # [n, k] int8
         self.scale = _tensor(scale).to(device)  # [n] float32
         self.n, self.k = self.q.shape
