@@ -7,11 +7,11 @@ its greedy decode, the variants in an order rotated from round to round; medians
 with the round-to-round spread (median absolute deviation). A switch is worth keeping where it buys
 more than twice that spread (the project's rule for speed-only optimisations).
 
-The switches: `native_norm` (RMSNorm in one compiled pass, engine/rmsnorm.c, instead of six torch
-operators) and `weight_prefetch_rows` (the int4 and int8 products of engine/qmatmul.c prefetching
-the weight's rows ahead; acts on quantized formats only).
+The switch: `weight_prefetch_rows` (the int4 and int8 products of engine/qmatmul.c prefetching the
+weight's rows ahead; acts on quantized formats only). A compiled RMSNorm was measured here and deleted
+(docs/benchmarks.md, "Tuning at the edge").
 
-    python -m bench.decode_switches [--model GGUF] [--formats fp32 int4 int8] [--rounds 8] [--write docs/benchmarks.md]
+    python -m bench.decode_switches [--model GGUF] [--formats int4 int8] [--rounds 8] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from pathlib import Path
 NAME = "decode-switches"
 HEADING = "## Tuning at the edge"
 SWITCHES = {
-    "native_norm off": {"native_norm": False},
     "weight_prefetch_rows 0": {"weight_prefetch_rows": 0},
 }
 """Variant label -> the `EngineConfig` options that turn one switch off."""
@@ -37,7 +36,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.decode_switches", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF or checkpoint directory (default: the default model; "
                     "bench.quantized's 1.2B shape is written by bench.model_files)")
-    ap.add_argument("--formats", nargs="+", default=["fp32", "int4", "int8"], help="weight formats (default fp32 int4 int8)")
+    ap.add_argument("--formats", nargs="+", default=["int4", "int8"], help="weight formats (default int4 int8)")
     ap.add_argument("--rounds", type=int, default=8, help="rounds; the variant order rotates (default 8)")
     ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt before the decode (default 256)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="greedy tokens timed per run (default 32)")

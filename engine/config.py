@@ -156,10 +156,6 @@ class EngineConfig:
     """int4 and int8 products of few rows on the CPU (decode) ask for the weight's row this many rows
     ahead of the one they multiply to come into the cache (engine/qmatmul.c): int8 decode of the default
     model 22 against 29 ms a token (docs/benchmarks.md, "Tuning at the edge"); 0: no software prefetch."""
-    native_norm: bool = True
-    """RMSNorm of float32 rows on the CPU in one compiled pass (engine/rmsnorm.c) instead of six torch
-    operators: a decode step runs 61 of them on one row each for the default model, where operator
-    dispatch is the cost (docs/benchmarks.md, "Tuning at the edge"); False keeps the torch operators."""
     copy_weights: bool = True
     """On the CPU, quantized weights (int4, int8 layers and LM head) are copied out of the mapped
     cache file into this process's memory at load: int4 decode at the 1.2B shape ran 1.17-1.27x

@@ -43,7 +43,6 @@ from engine.kvcache import KVCache
 from engine.kvspill import RowSpill
 from engine.loader import copy_out
 from engine.lora import Adapter
-from engine.norm import compiled_rms_norm, rms_norm
 from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
 from engine.quant import WeightFormat
 from engine.threads import load_on_torch_team
@@ -224,6 +223,12 @@ def rope_angles(cfg: ModelConfig, t: torch.Tensor, device) -> tuple[torch.Tensor
     freqs = torch.outer(t, inv)  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     return emb.cos().to(device), emb.sin().to(device)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    r = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # [n, 1]
+    return (xf * r).to(x.dtype).mul_(w)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
@@ -419,7 +424,7 @@ class Transformer:
             x = x[-1:]
         if self.weight_pager is not None:
             self.weight_pager.use(self.cfg.n_layers)
-        logits = self.w.lm_head(self.norm(x, self.w.norm)).float()
+        logits = self.w.lm_head(rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)).float()
         return logits if all_logits else logits[0]
 
     # ---- recompute (LLMS Fig. 7) -------------------------------------------------------------------
@@ -486,7 +491,7 @@ class Transformer:
         lora = adapter.layers[layer] if adapter is not None else _NO_DELTAS
         n = x.shape[0]
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        h = self.norm(x, w.attn_norm)
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
         qkv = w.wqkv(h)  # [n, (Hq + 2 Hkv) D]
         if "wqkv" in lora:
             lora["wqkv"].add_into(qkv, h)
@@ -510,7 +515,7 @@ class Transformer:
             lora["wo"].add_into(x, attn)
         if self.step_hook is not None:
             self.step_hook("attention", layer)
-        h = self.norm(x, w.mlp_norm)
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate_up = w.w_gate_up(h)  # [n, 2 I]
         if "w_gate_up" in lora:
             lora["w_gate_up"].add_into(gate_up, h)
@@ -520,12 +525,6 @@ class Transformer:
         if "w_down" in lora:
             lora["w_down"].add_into(x, act)
         return x
-
-    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of rows `x` `[n, hidden]` with weight `w`: in engine/rmsnorm.c for float32 rows on the
-        CPU (`EngineConfig.native_norm`), else `rms_norm`'s torch operators; a new tensor either way."""
-        return compiled_rms_norm(x, w, self.cfg.rms_norm_eps) if self.engine_cfg.native_norm \
-            else rms_norm(x, w, self.cfg.rms_norm_eps)
 
     def _attend(self, layer, q, pos, cache, density) -> torch.Tensor:
         """Attention of rows `q` `[n, Hq, D]` at ascending positions `pos` over the cache; `[n, Hq D]`.

@@ -142,23 +142,3 @@ def test_engine_runs_the_directorys_weights(engine, resolved_model, hf_model):
     hf_embed = hf_model.model.embed_tokens.weight.detach().cpu().numpy()
     assert np.array_equal(hf_embed, w.embed.table.detach().cpu().float().numpy())
 
-
-def test_compiled_rms_norm_matches_the_torch_operators(engine):
-    """`Transformer.norm` in engine/rmsnorm.c (the path every test above ran) against the torch
-    operators of `rms_norm` in float64: one row (decode), a few, many (split over threads), rows of
-    a wider buffer (a partition's slice); the input is left as it was; bf16 rows take torch's path."""
-    from engine.norm import norm_kernel, rms_norm
-
-    if norm_kernel() is None:
-        pytest.skip("no C compiler here")
-    model = engine.model
-    w, eps, d = model.w.layers[3].mlp_norm, model.cfg.rms_norm_eps, model.cfg.hidden_size
-    wide = torch.randn(700, 2 * d) * 4
-    for x in (torch.randn(1, d), torch.randn(3, d) * 30, torch.randn(600, d), wide[:, :d], wide[5:9, d:]):
-        before = x.clone()
-        got = model.norm(x, w)
-        want = rms_norm(x.double(), w.double(), eps)
-        assert got.dtype == torch.float32 and got.shape == x.shape and torch.equal(x, before)
-        assert float((got.double() - want).abs().max()) <= 1e-6 * float(want.abs().max()), tuple(x.shape)
-    xb = torch.randn(2, d).bfloat16()
-    assert torch.equal(model.norm(xb, w), rms_norm(xb, w, eps))
