@@ -68,7 +68,8 @@ def components(config: ServiceConfig, model: ModelConfig, dtype: str, device: st
     return Components(
         engine=EngineConfig(max_context_tokens=config.max_context_tokens, chunk_tokens=config.chunk_tokens,
                             device=device, weights=config.weights, copy_weights=False,  # one mapped copy a node
-                            kv_format=config.kv_format, weights_resident_bytes=config.weights_resident_bytes),
+                            kv_format=config.kv_format, weights_resident_bytes=config.weights_resident_bytes,
+                            lookup_draft=config.tuning.lookup_draft),
         registry=RegistryConfig(max_contexts_per_app=config.max_contexts_per_app, chunk_tokens=config.chunk_tokens),
         store=ChunkStoreConfig(disk_cap_bytes=config.disk_cap_bytes, read_bytes_per_s=config.read_bytes_per_s,
                                read_burst_bytes=config.read_burst_bytes),
@@ -272,7 +273,8 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
         engine = ContextEngine.load(None, EngineConfig(max_context_tokens=config.max_context_tokens,
                                                        chunk_tokens=config.chunk_tokens, weights=config.weights,
                                                        kv_format=config.kv_format,
-                                                       weights_resident_bytes=config.weights_resident_bytes))
+                                                       weights_resident_bytes=config.weights_resident_bytes,
+                                                       lookup_draft=config.tuning.lookup_draft))
     elif engine.model.engine_cfg.chunk_tokens != config.chunk_tokens:
         raise ValueError(f"the engine passed cuts {engine.model.engine_cfg.chunk_tokens}-token chunks but the "
                          f"service is configured for {config.chunk_tokens}; load a model with that chunk size")
@@ -284,7 +286,8 @@ def wire_local(config: ServiceConfig, engine=None, profile=None) -> ContextServi
                          "them all resident; load it with EngineConfig.weights_resident_bytes")
     parts = components(config, engine.model.cfg, dtype_name(engine.model.dtype))
     fingerprint = engine.fingerprint or "unknown-model"
-    if (engine.cfg.max_context_tokens, engine.cfg.kv_format) != (config.max_context_tokens, config.kv_format):
+    if ((engine.cfg.max_context_tokens, engine.cfg.kv_format, engine.cfg.lookup_draft)
+            != (config.max_context_tokens, config.kv_format, config.tuning.lookup_draft)):
         engine = ContextEngine(engine.model, engine.tok, parts.engine)
         engine.fingerprint = fingerprint
     registry = Registry(str(root / "registry.db"), config=parts.registry)

@@ -438,7 +438,9 @@ def markdown(summary: dict, meta: dict) -> str:
              f"Users {', '.join(meta['users'])}; k {meta['k']}, max_tokens {meta['max_tokens']}, tau_query "
              f"{meta['tau_query']}, stride {meta['stride']}, a question every {meta['gap_s']:g} virtual s, idle after "
              f"{meta['idle_after_s']:g} s, idle budget {meta['budget_s']:g} model-s per day, K/V tree cap "
-             f"{meta['tree_cap_mib']} MiB per user; greedy decoding. Latency: "
+             f"{meta['tree_cap_mib']} MiB per user; greedy decoding"
+             + (f" with lookup decoding (up to {meta['lookup_draft']} guessed tokens a pass)" if meta.get("lookup_draft")
+                else "") + ". Latency: "
              f"wall time of `QueryPredictor.query` (embedding, retrieval, model). K/V hit: reused passage tokens / "
              f"retrieved passage tokens. Idle model-s: the predictor's rounds, apart from the latency. Quality: "
              f"{meta['rouge']}.", ""]
@@ -546,6 +548,9 @@ def main(argv=None) -> int:
                     help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and --caps-mib, on the main set")
     ap.add_argument("--caps-mib", type=int, nargs=3, default=[128, 512, 2048],
                     help="K/V tree caps of the sensitivity sweep, MiB (default 128 512 2048)")
+    ap.add_argument("--lookup-draft", type=int, default=0, metavar="N",
+                    help="lookup decoding in every system, up to N guessed tokens a pass (EngineConfig.lookup_draft; "
+                         "default 0: off)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--tmp", default=None, help="where the runs' data directories go (default: the system's temp)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/rag"),
@@ -558,20 +563,21 @@ def main(argv=None) -> int:
         ap.error("--tree-cap-mib must be at least 0")
     if not 0 <= args.blend_ratio <= 1:
         ap.error("--blend-ratio must be within [0, 1]")
-    if args.gap <= 0 or args.limit < 0 or args.k < 1 or args.max_tokens < 1 or args.stride < 1:
-        ap.error("--gap, --k, --max-tokens and --stride must be positive, --limit at least 0")
+    if args.gap <= 0 or args.limit < 0 or args.k < 1 or args.max_tokens < 1 or args.stride < 1 or args.lookup_draft < 0:
+        ap.error("--gap, --k, --max-tokens and --stride must be positive, --limit and --lookup-draft at least 0")
     if args.sensitivity and OURS not in args.systems:
         ap.error("--sensitivity sweeps PerCache: include it in --systems")
     t_start = time.perf_counter()
     import torch
 
+    from engine.config import EngineConfig
     from engine.context import ContextEngine
     from engine.embed import Embedder
 
     torch.set_num_threads(args.threads)
     score, rouge_name = rouge_scorer()
     log(f"bench.rag: {rouge_name}; loading the model and the embedder")
-    engine = ContextEngine.load(progress=False)
+    engine = ContextEngine.load(None, EngineConfig(lookup_draft=args.lookup_draft), progress=False)
     embedder = Embedder()
     embedder.embed(["warm up"])
     systems = [NAIVE] + [s for s in args.systems if s != NAIVE] if NAIVE in args.systems else args.systems
@@ -590,7 +596,8 @@ def main(argv=None) -> int:
             "machine": machine(), "runtime_s": runtime, "users": args.users, "k": args.k, "max_tokens": args.max_tokens,
             "tau_query": args.tau_query, "stride": args.stride, "gap_s": args.gap, "idle_after_s": args.idle_after,
             "budget_s": args.budget, "tree_cap_mib": rag_config(args, NAIVE).tree_cap_bytes >> 20, "limit": args.limit,
-            "rouge": rouge_name, "fingerprint": engine.fingerprint, "blend_ratio": args.blend_ratio}
+            "rouge": rouge_name, "fingerprint": engine.fingerprint, "blend_ratio": args.blend_ratio,
+            "lookup_draft": args.lookup_draft}
     write_results(runs, summary, meta, args.out)
     log(f"bench.rag: wrote {args.out / 'queries.csv'} and {args.out / 'summary.json'}")
     if args.plot:

@@ -22,7 +22,8 @@ def _engine(args):
     from engine.context import ContextEngine
 
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_context_tokens=args.max_context,
-                       weights=args.weights, kv_format=args.kv_format, weights_resident_bytes=args.weights_resident)
+                       weights=args.weights, kv_format=args.kv_format, weights_resident_bytes=args.weights_resident,
+                       lookup_draft=args.lookup_draft)
     t0 = time.perf_counter()
     engine = ContextEngine.load(args.model, cfg)
     if args.verbose:
@@ -396,6 +397,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-resident", type=byte_size, default=None, metavar="SIZE", help=WEIGHTS_RESIDENT_HELP)
     p.add_argument("--max-context", type=int, default=0, metavar="TOKENS",
                    help="context length before overflow handling (default: the model's maximum)")
+    p.add_argument("--lookup-draft", type=int, default=4, metavar="N",
+                   help="lookup decoding when greedy: guess up to N next tokens a pass from the context and keep "
+                        "what greedy decoding chooses; the reply is unchanged, often sooner (default 4; 0: off)")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens per reply (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")

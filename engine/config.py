@@ -156,6 +156,11 @@ class EngineConfig:
     """int4 and int8 products of few rows on the CPU (decode) ask for the weight's row this many rows
     ahead of the one they multiply to come into the cache (engine/qmatmul.c): int8 decode of the default
     model 22 against 29 ms a token (docs/benchmarks.md, "Tuning at the edge"); 0: no software prefetch."""
+    lookup_draft: int = 0
+    """Lookup decoding (engine/lookup.py): with greedy sampling, guess up to this many next tokens from
+    where the reply's last tokens occurred before in the context, and check the guess in the pass that
+    computes the next token, keeping what greedy decoding would have chosen (the reply is the plain
+    decode's up to float summation order); 0: one token a pass."""
     copy_weights: bool = True
     """On the CPU, quantized weights (int4, int8 layers and LM head) are copied out of the mapped
     cache file into this process's memory at load: int4 decode at the 1.2B shape ran 1.17-1.27x
@@ -192,6 +197,8 @@ class EngineConfig:
             raise ValueError("max_context_tokens must be >= 0")
         if self.prefill_partition_rows < 0:
             raise ValueError("prefill_partition_rows must be >= 0")
+        if self.lookup_draft < 0:
+            raise ValueError("lookup_draft must be >= 0 (0: no lookup decoding)")
         if self.weight_prefetch_rows < 0:
             raise ValueError("weight_prefetch_rows must be >= 0 (0: no prefetch)")
         if self.weights_resident_bytes is not None and self.weights_resident_bytes < 0:

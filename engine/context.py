@@ -26,8 +26,10 @@ from engine.chat import ChatTokenizer, Conversation, Turn
 from engine.config import EngineConfig, round_up
 from engine.density import DensityTracker
 from engine.kvcache import KVCache
+from engine.lookup import LookupStats, draft
 from engine.lora import Adapter
 from engine.model import Transformer
+from engine.qlinear import decode_rows
 from engine.sampling import BadRequestError, SamplingParams, find_stop, holdback, sample
 
 
@@ -166,6 +168,10 @@ class ContextEngine:
         self.contexts: dict[str, LiveContext] = {}
         self.fingerprint = model.fingerprint
         """Identity of the loaded weights (see `engine.loader.ResolvedModel`)."""
+        self.lookup = LookupStats()
+        """Lookup decoding's counts (`EngineConfig.lookup_draft`)."""
+        self.pass_rows = decode_rows(model.device, model.weight_format)
+        """Most rows a lookup pass checks (0: no bound)."""
 
     @classmethod
     def load(cls, model_path=None, config: EngineConfig | None = None, *, progress: bool = True) -> "ContextEngine":
@@ -244,16 +250,18 @@ class ContextEngine:
         """Tokens a call with `prompt` would prefill on `ctx` (pending ids and the user turn)."""
         return len(ctx.token_ids) - ctx.cache.length + len(self.tok.user_turn_ids(ctx.conv, prompt))
 
-    def _step(self, ctx: LiveContext, progress: bool = False, partition_rows: int | None = None):
+    def _step(self, ctx: LiveContext, progress: bool = False, partition_rows: int | None = None,
+              all_logits: bool = False):
         """Prefill every pending id of `ctx` (overflowing first if needed): a generator of
-        `PrefillProgress` events (with `progress`, for a long prefill) returning the last id's logits."""
+        `PrefillProgress` events (with `progress`, for a long prefill) returning the last id's logits
+        (`[n, V]`, a row per pending id, with `all_logits`)."""
         if len(ctx.token_ids) > self.limit:
             self._overflow(ctx)
         pending = ctx.token_ids[ctx.cache.length :]
         start = ctx.cache.length
         acc = torch.zeros(start + len(pending), dtype=torch.float32, device=self.model.device)
         steps = self.model.forward_steps(ctx.cache, pending, density=acc, adapter=ctx.adapter,
-                                         partition_rows=partition_rows)
+                                         partition_rows=partition_rows, all_logits=all_logits)
         report = progress and len(pending) >= PROGRESS_MIN_TOKENS
         try:
             while True:
@@ -375,12 +383,16 @@ class ContextEngine:
         before = ctx.prefilled_tokens
         logits = yield from self._step(ctx, progress, partition_rows)
         seen, prefilled = len(ctx.token_ids), ctx.prefilled_tokens - before
+        ahead: list[int] = []  # tokens a lookup pass checked: already in the context and its cache
         while True:
-            tok = sample(logits, sp, gen)
+            if ahead:
+                tok = ahead.pop(0)
+            else:
+                tok = sample(logits, sp, gen)
+                ctx.token_ids.append(tok)
             if not out:
                 ttft = time.perf_counter() - t0
             out.append(tok)
-            ctx.token_ids.append(tok)
             text = self.tok.decode_reply(out)
             if tok in self.eos_ids:
                 finish = "stop"
@@ -395,7 +407,48 @@ class ContextEngine:
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
-            logits = yield from self._step(ctx)
+            if ctx.cache.length < len(ctx.token_ids):  # a sampled token: compute it (and what it guesses)
+                logits, ahead = yield from self._next(ctx, sp, len(out))
+        if ahead or ctx.cache.length >= len(ctx.token_ids):
+            # the reply ended inside what a lookup pass computed: leave the context as a plain decode
+            # does, the reply's last token pending (its K/V is computed with the next turn)
+            del ctx.token_ids[len(ctx.token_ids) - len(ahead):]
+            self._uncache(ctx, len(ctx.token_ids) - 1)
         if len(text) > emitted:
             yield text[emitted:]
         return out, text, finish, ttft, seen, prefilled
+
+    def _next(self, ctx: LiveContext, sp: SamplingParams, produced: int):
+        """Compute the K/V of the context's last token: returns the logits after it, and with lookup
+        decoding the guessed tokens that follow it as greedy decoding would choose them (computed in
+        the same pass, so already in the context and its cache; the logits are then after the last of
+        them)."""
+        cache = ctx.cache
+        room = min(self.cfg.lookup_draft, sp.max_tokens - produced, self.limit - len(ctx.token_ids))
+        if cache.fixed:
+            room = min(room, cache.capacity - cache.length - 1)
+        if self.pass_rows:  # the guess and the last token in one pass of decode's products
+            room = min(room, self.pass_rows - 1)
+        guess = draft(ctx.token_ids, room) if room > 0 and sp.greedy and cache.pager is None else []
+        if not guess:
+            logits = yield from self._step(ctx)
+            return logits, []
+        start = cache.length  # the last token's slot
+        ctx.token_ids.extend(guess)
+        rows = yield from self._step(ctx, all_logits=True)
+        kept = 0
+        while kept < len(guess) and sample(rows[kept], sp, None) == guess[kept]:
+            kept += 1
+        self.lookup.passes += 1
+        self.lookup.guessed += len(guess)
+        self.lookup.kept += kept
+        del ctx.token_ids[start + 1 + kept :]
+        self._uncache(ctx, start + 1 + kept)
+        return rows[kept], guess[:kept]
+
+    @staticmethod
+    def _uncache(ctx: LiveContext, n_tokens: int) -> None:
+        """Forget the cache's slots (and their densities) from `n_tokens` on."""
+        ctx.prefilled_tokens -= max(0, ctx.cache.length - n_tokens)
+        ctx.cache.truncate(n_tokens)
+        ctx.density.truncate(n_tokens)

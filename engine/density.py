@@ -42,6 +42,12 @@ class DensityTracker:
         self.sums = np.concatenate((self.sums, np.zeros(n_tokens)))
         self.rows = np.concatenate((self.rows, np.zeros(n_tokens, dtype=np.int64)))
 
+    def truncate(self, n_tokens: int) -> None:
+        """Forget tokens from `n_tokens` on (draft rows that lookup decoding did not keep). The rows
+        they were counted as stay in the earlier tokens' counts, with the attention those rows paid:
+        a rejected draft row is a query of the context like any other."""
+        self.sums, self.rows = self.sums[:n_tokens], self.rows[:n_tokens]
+
     def token_density(self) -> np.ndarray:
         rows = np.maximum(self.rows, 1)
         return self.sums / rows / self.norm

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from engine.config import WEIGHT_PREFETCH_ROWS
 from engine.threads import load_on_torch_team
-from engine.quant import BLOCK, groups_of
+from engine.quant import BLOCK, WeightFormat, groups_of
 
 _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
 
@@ -64,6 +64,14 @@ def kernels():
         lib = load_on_torch_team("qmatmul", Path(__file__).with_name("qmatmul.c"))
         _KERNELS.append(_declare(lib) if lib is not None else None)
     return _KERNELS[0]
+
+
+def decode_rows(device: torch.device, weights: str) -> int:
+    """Most rows one product takes in decode's way for weights of format `weights` on `device`: on the
+    CPU the compiled int4/int8 products take up to `qm_max_rows` rows, and more go through de-quantized
+    weights (slower a product, rounded otherwise); 0 where float weights set no such bound."""
+    lib = kernels() if device.type == "cpu" and WeightFormat.parse(weights).quantized else None
+    return lib.qm_max_rows() if lib is not None else 0
 
 
 def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ def test_tuning_defaults_to_everything_on():
     assert t == Tuning()
     assert t.streaming_stores
     assert t.object_chunks == 16
+    assert t.lookup_draft == 4
 
 
 def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():
@@ -29,6 +30,7 @@ def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():
     ({"streaming_store": False}, "unknown tuning options ['streaming_store']"),
     ({"streaming_stores": "maybe"}, "streaming_stores takes true or false"),
     ({"object_chunks": 0}, "object_chunks must be >= 1"),
+    ({"lookup_draft": -1}, "lookup_draft must be >= 0"),
 ])
 def test_bad_tuning_options_are_refused_with_their_name(options, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -72,3 +74,15 @@ def test_streaming_stores_switch_turns_non_temporal_stores_off():
     n = -(-STREAM_MIN_BYTES // (16 * per_token))
     assert use_streaming_stores(ws, n) and not use_streaming_stores(ws, n - 1)
     assert not use_streaming_stores(ws, n, enabled=False)
+
+
+def test_lookup_draft_reaches_the_executors_engine():
+    from actors.service import components
+    from engine.config import ModelConfig, RopeConfig
+
+    shape = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, n_layers=2,
+                        n_heads=2, n_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, rope=RopeConfig(10000.0),
+                        max_positions=64, tie_embeddings=True)
+    assert ServiceConfig().tuning.lookup_draft == 4
+    config = ServiceConfig(tuning={"lookup_draft": "6"})
+    assert components(config, shape, "float32").engine.lookup_draft == 6

@@ -149,3 +149,16 @@ def test_generate_and_serve_stream_weights_beyond_a_resident_size(engine, capsys
             byte_size(bad)
     code, out, err = run_here(capsys, "generate", "--prompt", "x", "--weights-resident", "many")
     assert code == 2 and "is not a size" in err
+
+
+def test_generate_with_lookup_decoding_prints_the_same_reply(engine, capsys):
+    """Lookup decoding is on by default (`--lookup-draft 4`): the greedy reply of a plain decode, as with
+    `--lookup-draft 0`; a negative length fails clearly."""
+    prompt = "Repeat twice: one two three four five six."
+    expected = engine.call(engine.new_ctx(), prompt, max_tokens=24).text
+    for extra in ([], ["--lookup-draft", "0"]):
+        code, out, err = run_here(capsys, "generate", "--chat", "--prompt", prompt, "--max-tokens", "24", *extra)
+        assert code == 0, err
+        assert out == expected + "\n"
+    code, out, err = run_here(capsys, "generate", "--prompt", "x", "--lookup-draft", "-1")
+    assert code == 2 and "lookup_draft must be >= 0" in err

@@ -248,6 +248,23 @@ def test_perplexity_of_each_format_against_float32(formats, engine):
     assert len(set(ppl.values())) == len(ppl), ppl  # each format really ran its own weights
 
 
+def test_lookup_decoding_in_int4_checks_its_guess_in_decodes_products(formats, engine):
+    """int4 decode rows go through the compiled W4A8 product, up to its row limit: a lookup pass checks
+    at most that many rows, so a guessed token is computed exactly as decoding it alone would."""
+    from engine.config import EngineConfig
+    from engine.context import ContextEngine
+    from tests.engine.test_lookup import PROMPT, SYSTEM
+
+    m = formats["int4"]
+    plain = ContextEngine(m, engine.tok, EngineConfig(weights="int4"))
+    fast = ContextEngine(m, engine.tok, EngineConfig(weights="int4", lookup_draft=16))
+    assert fast.pass_rows == 8
+    a = plain.call(plain.new_ctx(SYSTEM), PROMPT, max_tokens=40)
+    b = fast.call(fast.new_ctx(SYSTEM), PROMPT, max_tokens=40)
+    assert b.token_ids == a.token_ids
+    assert fast.lookup.kept > 10 and fast.lookup.guessed <= 7 * fast.lookup.passes
+
+
 def test_a_second_load_converts_nothing(resolved_model, formats):
     """The converted file is cached: loading again maps it (same file, no rewrite)."""
     from engine.loader import cache_root
