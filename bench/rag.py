@@ -518,6 +518,8 @@ def sensitivity_settings(args) -> list[tuple[str, dict]]:
 
 
 def main(argv=None) -> int:
+    from actors.config import Tuning
+
     from bench import rag_data
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -548,9 +550,9 @@ def main(argv=None) -> int:
                     help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and --caps-mib, on the main set")
     ap.add_argument("--caps-mib", type=int, nargs=3, default=[128, 512, 2048],
                     help="K/V tree caps of the sensitivity sweep, MiB (default 128 512 2048)")
-    ap.add_argument("--lookup-draft", type=int, default=0, metavar="N",
+    ap.add_argument("--lookup-draft", type=int, default=Tuning().lookup_draft, metavar="N",
                     help="lookup decoding in every system, up to N guessed tokens a pass (EngineConfig.lookup_draft; "
-                         "default 0: off)")
+                         f"default {Tuning().lookup_draft}, the service's; 0: off)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--tmp", default=None, help="where the runs' data directories go (default: the system's temp)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/rag"),
