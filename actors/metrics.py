@@ -46,6 +46,8 @@ class Metrics:
         self.weights_read = Counter(p + "weights_streamed_bytes_total", "Weight bytes the model executor brought "
                                     "into memory for fragments beyond the resident limit (weights_resident_bytes)",
                                     registry=r)
+        self.lookup = Counter(p + "lookup_tokens_total", "Lookup decoding's guessed tokens (guessed) and those "
+                              "greedy decoding chose (kept: each a pass of the model saved)", ["kind"], registry=r)
         self.weights = Gauge(p + "weights_bytes", "The executor's weight fragments: resident, streamed per forward "
                              "pass, and the streaming window (at most in memory besides the resident ones)",
                              ["part"], registry=r)
@@ -116,6 +118,8 @@ def init_executor_series(m: Metrics, policy: str) -> None:
     m.decode_seconds.labels(policy)
     for reason in ("planned", "fault"):
         m.recompute.labels(policy, reason)
+    for kind in ("guessed", "kept"):
+        m.lookup.labels(kind)
 
 
 def init_predictor_series(m: Metrics) -> None:

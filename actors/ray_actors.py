@@ -466,6 +466,7 @@ class ExecutorActor(Health):
         init_executor_series(self.metrics, self.policy)
         restarted("executor", c.data_dir, self.metrics)
         self._weights_seen = 0  # the weight pager's bytes read, as last counted
+        self._lookup_seen = (0, 0)  # lookup decoding's (guessed, kept), as last counted
         if model.weight_pager is not None:
             plan = model.weight_pager.plan
             for part, n in (("resident", plan.resident_bytes), ("streamed", plan.streamed_bytes),
@@ -489,6 +490,7 @@ class ExecutorActor(Health):
             m.weights_read.inc(read - self._weights_seen)
             self._weights_seen = read
         m.decode_seconds.labels(p).inc(max(0.0, out["total_s"] - out["ttft_s"]))
+        self._count_lookup()
         if r["recomputed"]:
             m.recompute.labels(p, "fault").inc(r["faults"])
             m.recompute.labels(p, "planned").inc(r["recomputed"] - r["faults"])
@@ -539,6 +541,14 @@ class ExecutorActor(Health):
             m.ttft.labels(p).observe(out.load_s + out.prefill_s)
             m.tokens.labels(p).inc(len(out.token_ids))
             m.decode_seconds.labels(p).inc(out.decode_s)
+            self._count_lookup()
+
+    def _count_lookup(self) -> None:
+        """Lookup decoding's counts since the last call observed (background RAG calls' included)."""
+        now = self.ex.engine.lookup
+        self.metrics.lookup.labels("guessed").inc(now.guessed - self._lookup_seen[0])
+        self.metrics.lookup.labels("kept").inc(now.kept - self._lookup_seen[1])
+        self._lookup_seen = (now.guessed, now.kept)
 
     @ray.method(concurrency_group="background")
     def rag_background(self, call):
@@ -561,6 +571,7 @@ class ExecutorActor(Health):
         m.ttft.labels(p).observe(out.ttft_s)
         m.tokens.labels(p).inc(out.completion_tokens)
         m.decode_seconds.labels(p).inc(max(0.0, out.total_s - out.ttft_s))
+        self._count_lookup()
         yield out
 
     def profile(self, read_bytes_per_s: float) -> str:

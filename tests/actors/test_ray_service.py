@@ -190,9 +190,13 @@ def test_corrupt_loads_beside_resident_chunks_are_recomputed(ray_cluster, refere
     assert any(mixed), "no restore had both resident chunks and a failing load"
     [target] = json.loads(next((tmp_path / "metrics").glob("executor-*.json")).read_text())[0]["targets"]
     scraped = urllib.request.urlopen(f"http://{target}/metrics", timeout=30).read().decode()
-    series = dict(line.rsplit(" ", 1) for line in scraped.splitlines() if line.startswith("llmaas_weights"))
+    series = dict(line.rsplit(" ", 1) for line in scraped.splitlines()
+                  if line.startswith(("llmaas_weights", "llmaas_lookup")))
     assert float(series["llmaas_weights_streamed_bytes_total"]) > 0
     assert 0 < float(series['llmaas_weights_bytes{part="resident"}']) <= 32 << 20
+    # lookup decoding is on by default: what it guessed and kept in these greedy replies
+    guessed, kept = (float(series[f'llmaas_lookup_tokens_total{{kind="{k}"}}']) for k in ("guessed", "kept"))
+    assert 0 <= kept <= guessed
     svc.close()
 
 
