@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench.quantized import cpu_line
-    from bench.tuning import mad
+    from bench.tuning import mad, verdict
     from engine.config import EngineConfig
     from engine.loader import resolve_model
     from engine.model import Transformer
@@ -114,9 +114,9 @@ def main(argv=None) -> int:
             lines.append(f"| {fmt} | {v} | {med[v]:.2f} ({mad(times[v]):.2f}) | {med[v] / med['default']:.2f}x | "
                          f"{same[v]} of {args.rounds} |")
         for v in labels[1:]:
-            gain, spread = med[v] - med["default"], max(mad(times[v]), mad(times["default"]))
-            verdicts.append(f"- {fmt}, {v}: the switch buys {gain:.2f} ms/token (spread {spread:.2f}): "
-                            f"{'keep' if gain > 2 * spread else 'less than twice the spread'}.")
+            k = verdict(times["default"], times[v])
+            verdicts.append(f"- {fmt}, {v}: the switch buys {k['gain']:.2f} ms/token (spread {k['spread']:.2f}): "
+                            f"{'keep' if k['keep'] else 'less than twice the spread'}.")
     lines += [""] + verdicts
     from bench.markdown import publish
 

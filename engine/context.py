@@ -170,7 +170,8 @@ class ContextEngine:
         """Identity of the loaded weights (see `engine.loader.ResolvedModel`)."""
         self.lookup = LookupStats()
         """Lookup decoding's counts (`EngineConfig.lookup_draft`)."""
-        self.pass_rows = decode_rows(model.device, model.weight_format)
+        self.pass_rows = decode_rows([model.w.lm_head] + [getattr(layer, name) for layer in model.w.layers
+                                                          for name in ("wqkv", "wo", "w_gate_up", "w_down")])
         """Most rows a lookup pass checks (0: no bound)."""
 
     @classmethod

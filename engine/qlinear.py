@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from engine.config import WEIGHT_PREFETCH_ROWS
 from engine.threads import load_on_torch_team
-from engine.quant import BLOCK, WeightFormat, groups_of
+from engine.quant import BLOCK, groups_of
 
 _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
 
@@ -66,12 +66,11 @@ def kernels():
     return _KERNELS[0]
 
 
-def decode_rows(device: torch.device, weights: str) -> int:
-    """Most rows one product takes in decode's way for weights of format `weights` on `device`: on the
-    CPU the compiled int4/int8 products take up to `qm_max_rows` rows, and more go through de-quantized
-    weights (slower a product, rounded otherwise); 0 where float weights set no such bound."""
-    lib = kernels() if device.type == "cpu" and WeightFormat.parse(weights).quantized else None
-    return lib.qm_max_rows() if lib is not None else 0
+def decode_rows(linears) -> int:
+    """Most rows one pass may give all of `linears` with each row computed in decode's way: the compiled
+    int4/int8 products take up to their `max_rows` float32 rows, and more go through de-quantized
+    weights (slower a product, rounded otherwise); 0 where none sets a bound (float weights, devices)."""
+    return min((n for n in (getattr(lin, "max_rows", 0) for lin in linears) if n), default=0)
 
 
 def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
