@@ -161,11 +161,19 @@ class Sampling(_Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     seed: Annotated[StrictInt, Field(ge=0, lt=1 << 63)] | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    """OpenAI's: a token's logit less this for every time the reply has produced it."""
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    """OpenAI's: a token's logit less this once the reply has produced it."""
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 1.0
+    """As vLLM and transformers take it: the logits of tokens in the context or the reply divided by it
+    (positive ones; negative ones multiplied); 1 is off."""
 
     def params(self) -> dict:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "stop": tuple(stop)}
+                "seed": self.seed, "stop": tuple(stop), "frequency_penalty": self.frequency_penalty,
+                "presence_penalty": self.presence_penalty, "repetition_penalty": self.repetition_penalty}
 
 
 class BindBody(_Strict):

@@ -53,7 +53,23 @@ def _sampling(args) -> dict:
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": tuple(args.stop or ()),
+        **_penalties(args),
     }
+
+
+def _penalties(args) -> dict:
+    return {"frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty,
+            "repetition_penalty": args.repetition_penalty}
+
+
+def _add_penalty_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide the logits of tokens already in the context or the reply by R (as vLLM and "
+                        "transformers do; 1.1-1.3 stops a small model's greedy loops; default 1: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="OpenAI's: lower a token's logit by F for each time the reply produced it (default 0)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="OpenAI's: lower a token's logit by P once the reply produced it (default 0)")
 
 
 def _check_sampling(args) -> None:
@@ -258,7 +274,7 @@ def cmd_rag(args) -> int:
         return 0
     if not args.items:
         raise SystemExit("llmaas: error: `rag ask` needs a question")
-    params = dict(max_tokens=args.max_tokens, **({"k": args.k} if args.k else {}))
+    params = dict(max_tokens=args.max_tokens, **_penalties(args), **({"k": args.k} if args.k else {}))
     if args.json:
         print(json.dumps(client.ask(col, " ".join(args.items), **params), indent=1))
         return 0
@@ -405,6 +421,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    _add_penalty_args(p)
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt (chat)")
     p.add_argument("-v", "--verbose", action="store_true", help="timings on stderr")
 
@@ -500,6 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("-c", "--collection", default="default", help="collection name (default: default)")
     rg.add_argument("-k", type=int, default=0, help="passages retrieved (default: the server's)")
     rg.add_argument("--max-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
+    _add_penalty_args(rg)
     rg.add_argument("--json", action="store_true", help="print JSON")
     _add_server_args(rg, required=True)
     rg.set_defaults(func=cmd_rag)

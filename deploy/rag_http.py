@@ -123,7 +123,8 @@ class RagRoutes:
             raise APIError("invalid_request", "the last message must be a user turn (the question)")
         col = _check(body.rag.collection, "collection_not_found")
         extra = {k: v for k, v in (("k", body.rag.k), ("tau_query", body.rag.tau_query)) if v is not None}
-        sampling = {k: params[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop")}
+        sampling = {k: params[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop", "frequency_penalty",
+                                           "presence_penalty", "repetition_penalty")}
         events = self._events(self._timeout(request), self.predictor.query_stream, app, col, body.messages[-1].content,
                               params={**sampling, **extra})
         head, events = await self._first(events)

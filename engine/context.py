@@ -30,7 +30,7 @@ from engine.lookup import LookupStats, draft
 from engine.lora import Adapter
 from engine.model import Transformer
 from engine.qlinear import decode_rows
-from engine.sampling import BadRequestError, SamplingParams, find_stop, holdback, sample
+from engine.sampling import BadRequestError, Penalties, SamplingParams, find_stop, holdback, sample
 
 
 class PromptTooLongError(BadRequestError):
@@ -384,13 +384,16 @@ class ContextEngine:
         before = ctx.prefilled_tokens
         logits = yield from self._step(ctx, progress, partition_rows)
         seen, prefilled = len(ctx.token_ids), ctx.prefilled_tokens - before
+        pen = Penalties(sp, ctx.token_ids, logits.shape[-1], logits.device) if sp.penalized else None
         ahead: list[int] = []  # tokens a lookup pass checked: already in the context and its cache
         while True:
             if ahead:
                 tok = ahead.pop(0)
             else:
-                tok = sample(logits, sp, gen)
+                tok = sample(logits if pen is None else pen.apply(logits), sp, gen)
                 ctx.token_ids.append(tok)
+            if pen is not None:
+                pen.add(tok)
             if not out:
                 ttft = time.perf_counter() - t0
             out.append(tok)
@@ -409,7 +412,7 @@ class ContextEngine:
                 yield text[emitted:safe]
                 emitted = safe
             if ctx.cache.length < len(ctx.token_ids):  # a sampled token: compute it (and what it guesses)
-                logits, ahead = yield from self._next(ctx, sp, len(out))
+                logits, ahead = yield from self._next(ctx, sp, len(out), pen)
         if ahead or ctx.cache.length >= len(ctx.token_ids):
             # the reply ended inside what a lookup pass computed: leave the context as a plain decode
             # does, the reply's last token pending (its K/V is computed with the next turn)
@@ -419,11 +422,11 @@ class ContextEngine:
             yield text[emitted:]
         return out, text, finish, ttft, seen, prefilled
 
-    def _next(self, ctx: LiveContext, sp: SamplingParams, produced: int):
+    def _next(self, ctx: LiveContext, sp: SamplingParams, produced: int, pen: Penalties | None = None):
         """Compute the K/V of the context's last token: returns the logits after it, and with lookup
         decoding the guessed tokens that follow it as greedy decoding would choose them (computed in
         the same pass, so already in the context and its cache; the logits are then after the last of
-        them)."""
+        them; `pen`, the reply's penalties, counts each guess before the next is checked)."""
         cache = ctx.cache
         room = min(self.cfg.lookup_draft, sp.max_tokens - produced, self.limit - len(ctx.token_ids))
         if cache.fixed:
@@ -438,8 +441,14 @@ class ContextEngine:
         ctx.token_ids.extend(guess)
         rows = yield from self._step(ctx, all_logits=True)
         kept = 0
-        while kept < len(guess) and sample(rows[kept], sp, None) == guess[kept]:
+        while kept < len(guess):
+            if sample(rows[kept] if pen is None else pen.apply(rows[kept]), sp, None) != guess[kept]:
+                break
+            if pen is not None:
+                pen.add(guess[kept])
             kept += 1
+        for tok in guess[:kept] if pen is not None else ():  # counted again as the reply takes them
+            pen.remove(tok)
         self.lookup.passes += 1
         self.lookup.guessed += len(guess)
         self.lookup.kept += kept

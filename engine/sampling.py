@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, temperature, top-p, seeded; plus the checks that end a reply.
+"""Next-token choice: greedy, temperature, top-p, seeded, repetition penalties; plus the checks that end
+a reply.
 
 Pure functions over a logits vector and the reply's text (stop strings); the engine owns the loop.
 This module deliberately knows nothing about the model, the tokenizer or contexts.
@@ -36,6 +37,15 @@ class SamplingParams:
     """Seed for sampling; None draws from the OS."""
     stop: tuple[str, ...] = ()
     """Strings that end the reply; the reply text excludes them."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once for every time the reply has produced it so far;
+    in [-2, 2]."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted once from the logit of every token the reply has produced so far; in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """The multiplicative penalty of CTRL (Keskar et al., 2019) as transformers and vLLM apply it: the
+    logit of every token in the context or the reply so far is divided by it where positive and
+    multiplied by it where negative; 1 is off, above 1 discourages repeats; in (0, 10]."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -50,6 +60,16 @@ class SamplingParams:
         if len(stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in stop):
             raise BadRequestError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
         object.__setattr__(self, "stop", stop)
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= float(getattr(self, name)) <= 2.0:
+                raise BadRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+            raise BadRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any repetition penalty changes the logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +97,44 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_p[before >= params.top_p] = 0.0  # keeps the token that crosses top_p
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Penalties:
+    """The repetition penalties of one reply (`SamplingParams.frequency_penalty`, `presence_penalty`,
+    `repetition_penalty`), applied to each step's logits before the choice (and before the temperature,
+    as vLLM orders them). Counts the reply's tokens as they are chosen; `remove` takes back a token
+    counted for a guess that was not kept (lookup decoding)."""
+
+    __slots__ = ("params", "counts", "context")
+
+    def __init__(self, params: SamplingParams, context_ids: list[int], vocab_size: int, device) -> None:
+        self.params = params
+        self.counts = torch.zeros(vocab_size, device=device)
+        """Times the reply produced each token so far."""
+        self.context = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        """Tokens of the context before the reply (the repetition penalty's prompt)."""
+        if params.repetition_penalty != 1.0 and context_ids:
+            self.context[torch.tensor(context_ids, device=device)] = True
+
+    def add(self, token: int) -> None:
+        self.counts[token] += 1
+
+    def remove(self, token: int) -> None:
+        self.counts[token] -= 1
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` `[V]` penalized (a new float32 tensor)."""
+        p, out = self.params, logits.float().clone()
+        produced = self.counts > 0
+        if p.repetition_penalty != 1.0:
+            seen = self.context | produced
+            hit = out[seen]
+            out[seen] = torch.where(hit > 0, hit / p.repetition_penalty, hit * p.repetition_penalty)
+        if p.frequency_penalty:
+            out.sub_(self.counts * p.frequency_penalty)
+        if p.presence_penalty:
+            out.sub_(produced.float() * p.presence_penalty)
+        return out
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> int:

@@ -119,6 +119,9 @@ def test_bad_input_gets_4xx_and_leaves_contexts_alone(server, app):
         b'{"prompt": "x", "temperature": 1e9}': 422,
         b'{"prompt": "x", "temperature": NaN}': 422,
         b'{"prompt": "x", "top_p": 0}': 422,
+        b'{"prompt": "x", "frequency_penalty": 2.5}': 422,
+        b'{"prompt": "x", "presence_penalty": -3}': 422,
+        b'{"prompt": "x", "repetition_penalty": 0}': 422,
         b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}': 422,
         b'{"prompt": "x", "unknown_field": 1}': 422,
         json.dumps({"prompt": "word " * 3000}).encode(): 413,  # over the 1024-token context limit

@@ -67,6 +67,24 @@ def test_stateless_chat_equals_engine(server, oai, token, engine, base):
     assert Client(server.url, token).contexts() == before
 
 
+def test_repetition_penalties_reach_the_model(oai, engine, base):
+    """OpenAI's `frequency_penalty` and `presence_penalty`, and `repetition_penalty` as an extra field (as
+    vLLM takes it), give the reply the engine gives under the same penalties."""
+    penalties = {"frequency_penalty": 0.6, "presence_penalty": 0.4, "repetition_penalty": 1.2}
+    prompt = "List three prime numbers larger than 100."
+    want = []
+    for p in (penalties, {}):
+        ctx = engine.new_ctx(SYSTEM)
+        want.append(engine.call(ctx, prompt, max_tokens=24, **p).text)
+        engine.delete_ctx(ctx)
+    assert want[0] != want[1]  # the penalties matter for this prompt
+    r = oai.chat.completions.create(model=base, messages=[{"role": "system", "content": SYSTEM},
+                                                          {"role": "user", "content": prompt}],
+                                    max_tokens=24, temperature=0, frequency_penalty=0.6, presence_penalty=0.4,
+                                    extra_body={"repetition_penalty": 1.2})
+    assert r.choices[0].message.content == want[0]
+
+
 def test_stateful_chat_via_context_id(server, oai, token, engine, base):
     ctx = engine.new_ctx(SYSTEM)
     want = [engine.call(ctx, p, max_tokens=10).text for p in ("Name a tree.", "Where does it grow?", "Thanks!")]

@@ -69,6 +69,20 @@ def test_lookup_stop_inside_kept_tokens(engine, lookup_engine):
     assert b.token_ids == a.token_ids and state(fast) == state(plain)
 
 
+def test_lookup_under_repetition_penalties(engine, lookup_engine):
+    """Penalties count each guessed token before the next guess is checked, and a pass's kept tokens
+    once: the replies equal one-token-a-pass decoding under the same penalties."""
+    penalties = {"repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.1}
+    plain, fast = engine.new_ctx(SYSTEM), lookup_engine.new_ctx(SYSTEM)
+    a = engine.call(plain, PROMPT, max_tokens=40, **penalties)
+    unpenalized = engine.call(engine.new_ctx(SYSTEM), PROMPT, max_tokens=40)
+    kept = lookup_engine.lookup.kept
+    b = lookup_engine.call(fast, PROMPT, max_tokens=40, **penalties)
+    assert a.token_ids != unpenalized.token_ids  # the penalties matter here
+    assert b.token_ids == a.token_ids and state(fast) == state(plain)
+    assert lookup_engine.lookup.kept > kept  # and guesses were kept under them
+
+
 def test_lookup_only_when_greedy(lookup_engine):
     ctx = lookup_engine.new_ctx(SYSTEM)
     passes = lookup_engine.lookup.passes

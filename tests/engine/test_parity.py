@@ -142,3 +142,49 @@ def test_engine_runs_the_directorys_weights(engine, resolved_model, hf_model):
     hf_embed = hf_model.model.embed_tokens.weight.detach().cpu().numpy()
     assert np.array_equal(hf_embed, w.embed.table.detach().cpu().float().numpy())
 
+
+
+PENALIZED = [
+    ("repetition", {"repetition_penalty": 1.3}),
+    ("frequency and presence", {"frequency_penalty": 0.6, "presence_penalty": 0.4}),
+]
+
+
+@pytest.mark.parametrize("name,penalties", PENALIZED, ids=[n for n, _ in PENALIZED])
+def test_penalized_greedy_decoding_matches_transformers(engine, hf_model, name, penalties):
+    """Greedy replies under repetition penalties equal transformers' `generate` on the same ids: its own
+    `repetition_penalty` (over prompt and reply), and OpenAI's frequency and presence penalties as a
+    logits processor written here from OpenAI's formula (over the reply's tokens)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from engine.sampling import SamplingParams
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __init__(self, start):
+            self.start = start
+
+        def __call__(self, input_ids, scores):
+            counts = torch.bincount(input_ids[0, self.start:], minlength=scores.shape[-1]).to(scores.dtype)
+            f, p = penalties["frequency_penalty"], penalties["presence_penalty"]
+            return scores - counts * f - (counts > 0).to(scores.dtype) * p
+
+    def reply(ids, sp):
+        stream = engine.generate(engine.throwaway(ids, n_new), sp)
+        for _ in stream:
+            pass
+        return stream.result.token_ids
+
+    n_new, changed = 24, 0
+    for k in (1, 2, 6):
+        ids = chat_ids(engine.tok, PROMPTS[k], SYSTEMS[k % 2])
+        sp = SamplingParams(max_tokens=n_new, **penalties)
+        got = reply(ids, sp)
+        kw = ({"repetition_penalty": penalties["repetition_penalty"]} if "repetition_penalty" in penalties
+              else {"logits_processor": LogitsProcessorList([OpenAIPenalties(len(ids))])})
+        with torch.inference_mode():
+            out = hf_model.generate(input_ids=torch.tensor([ids], device=engine.model.device), max_new_tokens=n_new,
+                                    do_sample=False, eos_token_id=sorted(engine.eos_ids), **kw)[0, len(ids):].tolist()
+        plain = reply(ids, SamplingParams(max_tokens=n_new))
+        assert got == out, f"{name}, prompt {k}: engine {got} against transformers {out}"
+        changed += got != plain
+    assert changed >= 2, f"{name}: the penalties changed {changed} of 3 replies; this would check little"

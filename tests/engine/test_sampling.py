@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import GREEDY_BELOW, BadRequestError, SamplingParams, find_stop, holdback, sample
+from engine.sampling import GREEDY_BELOW, BadRequestError, Penalties, SamplingParams, find_stop, holdback, sample
 
 
 def test_greedy_and_top_p_nucleus():
@@ -50,3 +50,34 @@ def test_tiny_temperatures_are_greedy(t):
     p = SamplingParams(temperature=t, seed=1)
     assert p.greedy and p.generator("cpu") is None and sample(logits, p, None) == 3
     assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+
+
+def test_penalties_on_crafted_logits():
+    """Each penalty by its formula: OpenAI's frequency (per time produced) and presence (once), CTRL's
+    repetition penalty on the context's tokens and the reply's (divide positive logits, multiply
+    negative ones); the input logits are left as they were."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    pen = Penalties(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [0, 1], 5, "cpu")
+    for t in (3, 3, 2):
+        pen.add(t)
+    assert torch.equal(pen.apply(logits), torch.tensor([2.0, -1.0, 0.5 - 0.5 - 0.25, 3.0 - 1.0 - 0.25, -2.0]))
+    pen.remove(3)
+    assert pen.apply(logits)[3] == 3.0 - 0.5 - 0.25
+    rep = Penalties(SamplingParams(repetition_penalty=2.0), [1, 1, 4], 5, "cpu")
+    rep.add(3)
+    assert torch.equal(rep.apply(logits), torch.tensor([2.0, -2.0, 0.5, 1.5, -4.0]))
+    assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0]))
+    # a penalty moves the greedy choice off a repeated token
+    assert sample(rep.apply(logits), SamplingParams(), None) == 0
+
+
+@pytest.mark.parametrize("bad", [{"frequency_penalty": 2.5}, {"presence_penalty": -3.0},
+                                 {"repetition_penalty": 0.0}, {"repetition_penalty": 11.0}])
+def test_penalties_out_of_range_are_refused(bad):
+    with pytest.raises(BadRequestError):
+        SamplingParams(**bad)
+
+
+def test_no_penalty_by_default():
+    assert not SamplingParams().penalized
+    assert SamplingParams(presence_penalty=0.1).penalized and SamplingParams(repetition_penalty=1.1).penalized
