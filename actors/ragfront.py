@@ -9,6 +9,8 @@ token ids (`engine.rag.RagTemplate`), the longest cached prefix of the retrieved
 app's K/V tree (`scheduler.ragtree.KVTree`), and the executor loads those nodes, prefills the rest and
 decodes. New nodes enter the tree (LFU eviction under the app's cap), the answer the QA bank. The
 baselines of PerCache §5.2 are configurations: `RagConfig.qa_bank` and `RagConfig.kv_tree` off or on.
+The QA bank holds greedy answers (`banked_sampling`); a stored answer longer than a query's
+`max_tokens` is cut to it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from actors.config import RagConfig
 from actors.messages import BlendSpan, KVKey, NodeSpan, RagCall, RagOutcome
 from actors.rag import node_key
+from engine.sampling import SamplingParams
 from scheduler.ragcache import QAEntry, match_query, missing_kv, plan_qa_eviction, refresh_candidates
 from scheduler.ragtree import KVTree, plan_tree_eviction
 from storage.ragstore import QAEntryNotFoundError
@@ -34,6 +37,14 @@ BLENDED_PATHS = 1024
 """Blended retrieval paths remembered (`RagCache._plan`), per service."""
 LEVELS = ("qa_bank", "kv_tree", "miss")
 """What served a reply: a stored answer, cached K/V of at least one passage, or neither."""
+
+
+def banked_sampling(params: dict) -> bool:
+    """Whether a query with sampling `params` takes and leaves QA bank answers: the bank holds greedy
+    answers with no stop strings and no repetition penalties (as the query predictor makes them); a
+    query asking for another kind of reply (sampled, cut at a stop string, penalized) gets its own."""
+    sp = SamplingParams(**params)
+    return sp.greedy and not sp.stop and not sp.penalized
 
 
 @dataclass(slots=True)
@@ -129,12 +140,13 @@ class RagCache:
         k = cfg.k if k is None else k
         tau = cfg.tau_query if tau_query is None else tau_query
         params.setdefault("max_tokens", cfg.max_tokens)
+        qa_bank = cfg.qa_bank and banked_sampling(params)
         lat: dict[str, float] = {}
         t = time.perf_counter()
         q = np.asarray(self.embed([question]), np.float32)[0]
         lat["embed"] = time.perf_counter() - t
-        if cfg.qa_bank and decode and not predicted:
-            hit = self._qa_hit(app, collection, adapter, q, tau, lat)
+        if qa_bank and decode and not predicted:
+            hit = self._qa_hit(app, collection, adapter, q, tau, lat, params["max_tokens"])
             if hit is not None:
                 if hit.answer:
                     yield hit.answer
@@ -162,7 +174,7 @@ class RagCache:
             lat["blend"] = out.blend_s
         passage_tokens = prompt.question - prompt.head
         reused_tokens = max(0, out.reused_tokens - prompt.head) if reused_nodes else 0
-        if cfg.qa_bank and (decode or predicted):
+        if qa_bank and (decode or predicted):
             self._remember(app, collection, adapter, question, q, out.text if decode else None, path, predicted)
             if replaces is not None:
                 self.store.delete_qa(app, [replaces])
@@ -207,7 +219,7 @@ class RagCache:
                 close()
         raise RuntimeError("the executor's RAG stream ended without an outcome")
 
-    def _qa_hit(self, app, collection, adapter, q, tau, lat) -> RagAnswer | None:
+    def _qa_hit(self, app, collection, adapter, q, tau, lat, max_tokens: int) -> RagAnswer | None:
         ids, vecs = self.store.qa_vectors(app, collection, adapter)
         i, sim = match_query(q, vecs, tau) if len(ids) else (None, -1.0)
         if i is None:
@@ -219,8 +231,12 @@ class RagCache:
         if entry.answer is None:  # stored by prefill only: answered once decoded
             return None
         self.store.count_qa_hit(app, entry.id, self.clock())
+        answer, finish = entry.answer, "stop"
+        ids = self.template.tok.encode(answer)
+        if len(ids) > max_tokens:  # stored under a larger max_tokens: the query's limit holds
+            answer, finish = self.template.tok.decode_reply(ids[:max_tokens]), "length"
         return RagAnswer(
-            answer=entry.answer, token_ids=[], finish_reason="stop", level="qa_bank",
+            answer=answer, token_ids=[], finish_reason=finish, level="qa_bank",
             sources=[{"document": None, "chunk": int(c), "score": None} for c in entry.chunks],
             reused_chunks=0, reused_tokens=0, retrieved_tokens=0, prompt_tokens=0, latency=lat,
             similarity=float(sim))

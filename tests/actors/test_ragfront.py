@@ -137,6 +137,23 @@ def test_the_qa_bank_answers_a_similar_question_at_once_and_not_a_different_one(
     assert nothing.level == "miss" and nothing.sources == [] and nothing.retrieved_tokens == 0
 
 
+def test_the_qa_bank_keeps_to_a_querys_sampling(tmp_path, engine, embedder):
+    """The bank's answers are greedy: a penalized or sampled query gets (and stores) its own; a stored
+    answer longer than a query's max_tokens is cut to it."""
+    p = Parts(tmp_path, engine, embedder, tau_query=0.9)
+    col, _ = p.add("app")
+    q = "How tall is Mount Fuji?"
+    first = p.cache.query("app", col, q, max_tokens=12)
+    for sampling in ({"repetition_penalty": 1.3}, {"temperature": 0.7, "seed": 1}, {"stop": ["metres"]}):
+        other = p.cache.query("app", col, q, max_tokens=12, **sampling)
+        assert other.level != "qa_bank", sampling
+    assert [e.answer for e in p.store.qa_entries("app", col, "")] == [first.answer]
+    short = p.cache.query("app", col, q, max_tokens=3)
+    assert short.level == "qa_bank" and short.finish_reason == "length"
+    assert engine.tok.encode(first.answer)[:3] == engine.tok.encode(short.answer) != engine.tok.encode(first.answer)
+    assert len(p.calls) == 4  # the first query and the three of other sampling, none for the short one
+
+
 def test_a_streamed_answer_comes_token_by_token_and_a_stream_closed_early_stores_nothing(tmp_path, engine, embedder):
     p = Parts(tmp_path, engine, embedder, tau_query=0.9)
     col, _ = p.add("app")
