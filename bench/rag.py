@@ -29,7 +29,7 @@ RAGCache+MeanCache); the QA-served answers' mean ROUGE-L at least 0.9 x the para
 exact reuse never changes an answer (RAGCache-like's reply ids equal Naive's).
 
     python -m bench.rag [--users user0 ...] [--which main|heldout|both] [--systems ...] [--limit N]
-                        [--sensitivity] [--plot] [--out docs/results/rag] [--write docs/benchmarks.md]
+                        [--sensitivity [SWEEP ...]] [--plot] [--out docs/results/rag] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ ROUNDS_PER_GAP = 4
 """Most prediction rounds between two questions."""
 STRIDES = (1, 2, 3, 4, 5)
 TAUS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
+SWEEPS = ("stride", "tau_query", "tree_cap")
+"""PerCache's sensitivity sweeps (Fig. 17-19), as `--sensitivity` names them."""
 
 
 def log(msg: str) -> None:
@@ -511,9 +513,10 @@ def machine() -> str:
 def sensitivity_settings(args) -> list[tuple[str, dict]]:
     """PerCache's sensitivity sweeps (Fig. 17-19): stride, tau_query, and the K/V tree's cap (QA
     entries are a few KiB each and keep their default cap). The default knobs' point is the main run."""
-    out = [(f"stride={s}", {"stride": s}) for s in STRIDES if s != args.stride]
-    out += [(f"tau_query={t}", {"tau_query": t}) for t in TAUS if t != args.tau_query]
-    out += [(f"tree_cap={c}MiB", {"tree_cap_bytes": c << 20}) for c in args.caps_mib]
+    sweeps = args.sensitivity or SWEEPS
+    out = [(f"stride={s}", {"stride": s}) for s in STRIDES if s != args.stride and "stride" in sweeps]
+    out += [(f"tau_query={t}", {"tau_query": t}) for t in TAUS if t != args.tau_query and "tau_query" in sweeps]
+    out += [(f"tree_cap={c}MiB", {"tree_cap_bytes": c << 20}) for c in args.caps_mib if "tree_cap" in sweeps]
     return out
 
 
@@ -546,8 +549,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tree-cap-mib", type=int, default=0,
                     help="K/V tree cap per user, MiB (default 0: RagConfig.tree_cap_bytes)")
     ap.add_argument("--limit", type=int, default=0, help="first N questions per user (default 0: all)")
-    ap.add_argument("--sensitivity", action="store_true",
-                    help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and --caps-mib, on the main set")
+    ap.add_argument("--sensitivity", nargs="*", choices=SWEEPS, metavar="SWEEP",
+                    help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and K/V tree cap (--caps-mib), on "
+                         "the main set; name some of " + ", ".join(SWEEPS) + " to run only those (each setting is a "
+                         "PerCache run with its idle work: about 10 min on a 2-core VM)")
     ap.add_argument("--caps-mib", type=int, nargs=3, default=[128, 512, 2048],
                     help="K/V tree caps of the sensitivity sweep, MiB (default 128 512 2048)")
     ap.add_argument("--lookup-draft", type=int, default=Tuning().lookup_draft, metavar="N",
@@ -567,7 +572,7 @@ def main(argv=None) -> int:
         ap.error("--blend-ratio must be within [0, 1]")
     if args.gap <= 0 or args.limit < 0 or args.k < 1 or args.max_tokens < 1 or args.stride < 1 or args.lookup_draft < 0:
         ap.error("--gap, --k, --max-tokens and --stride must be positive, --limit and --lookup-draft at least 0")
-    if args.sensitivity and OURS not in args.systems:
+    if args.sensitivity is not None and OURS not in args.systems:
         ap.error("--sensitivity sweeps PerCache: include it in --systems")
     t_start = time.perf_counter()
     import torch
@@ -589,7 +594,7 @@ def main(argv=None) -> int:
         for user in args.users:
             for system in systems:
                 runs.append(run_one(engine, embedder, user, which, system, args))
-            if args.sensitivity and which == "main":
+            if args.sensitivity is not None and which == "main":
                 for setting, knobs in sensitivity_settings(args):
                     runs.append(run_one(engine, embedder, user, which, OURS, args, setting, **knobs))
     summary = summarise(runs, score)

@@ -79,3 +79,12 @@ def test_the_section_has_every_system_floor_and_setting_and_fits_its_markers():
     begin, end = markers(rag.NAME)
     doc = replace_block("# Benchmarks\n", text, begin, end, rag.HEADING)
     assert rag.HEADING in doc and replace_block(doc, "new", begin, end, rag.HEADING).count(begin) == 1
+
+
+def test_sensitivity_sweeps_are_chosen_by_name():
+    import argparse
+
+    args = argparse.Namespace(stride=5, tau_query=0.85, caps_mib=[128, 512, 2048], sensitivity=["tau_query"])
+    assert [s for s, _ in rag.sensitivity_settings(args)] == [f"tau_query={t}" for t in (0.6, 0.7, 0.8, 0.9, 0.95)]
+    args.sensitivity = []  # named none: every sweep
+    assert len(rag.sensitivity_settings(args)) == 4 + 5 + 3
