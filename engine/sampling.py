@@ -1,7 +1,8 @@
 """Next-token choice: greedy, temperature, top-p, seeded, repetition penalties; plus the checks that end
 a reply.
 
-Pure functions over a logits vector and the reply's text (stop strings); the engine owns the loop.
+Pure functions over a logits vector and the reply's text (stop strings), and one reply's penalty counts
+(`Penalties`); the engine owns the loop.
 This module deliberately knows nothing about the model, the tokenizer or contexts.
 """
 
