@@ -25,7 +25,6 @@ import numpy as np
 from actors.config import RagConfig
 from actors.messages import BlendSpan, KVKey, NodeSpan, RagCall, RagOutcome
 from actors.rag import node_key
-from engine.sampling import SamplingParams
 from scheduler.ragcache import QAEntry, match_query, missing_kv, plan_qa_eviction, refresh_candidates
 from scheduler.ragtree import KVTree, plan_tree_eviction
 from storage.ragstore import QAEntryNotFoundError
@@ -43,6 +42,8 @@ def banked_sampling(params: dict) -> bool:
     """Whether a query with sampling `params` takes and leaves QA bank answers: the bank holds greedy
     answers with no stop strings and no repetition penalties (as the query predictor makes them); a
     query asking for another kind of reply (sampled, cut at a stop string, penalized) gets its own."""
+    from engine.sampling import SamplingParams  # here: the governor and IO worker import this module, not torch
+
     sp = SamplingParams(**params)
     return sp.greedy and not sp.stop and not sp.penalized
 
