@@ -14,7 +14,7 @@ import uuid
 from fastapi import Request
 
 from deploy.api_docs import ACTORS, APP, BODY, CALL_HEADERS, WRITES, responses
-from deploy.api_models import APIError, CollectionBody, DocumentBody, EmbeddingsBody, RagQueryBody
+from deploy.api_models import APIError, CollectionBody, DocumentBody, EmbeddingsBody, RagQueryBody, Sampling
 from deploy.http_parts import api, outcome, sse_response
 
 _ID = re.compile(r"[0-9a-f]{32}")
@@ -123,8 +123,7 @@ class RagRoutes:
             raise APIError("invalid_request", "the last message must be a user turn (the question)")
         col = _check(body.rag.collection, "collection_not_found")
         extra = {k: v for k, v in (("k", body.rag.k), ("tau_query", body.rag.tau_query)) if v is not None}
-        sampling = {k: params[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop", "frequency_penalty",
-                                           "presence_penalty", "repetition_penalty")}
+        sampling = {k: params[k] for k in Sampling.model_fields}  # the route's other keys (progress) stay out
         events = self._events(self._timeout(request), self.predictor.query_stream, app, col, body.messages[-1].content,
                               params={**sampling, **extra})
         head, events = await self._first(events)
