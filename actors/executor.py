@@ -177,7 +177,8 @@ class ModelExecutor:
                 logging.getLogger(__name__).exception("the restorer kept adapter %r", name)
 
     def list_adapters(self) -> list[dict]:
-        return [adapter_info(self.adapters.get(n)) for n in self.adapters.names()]
+        with self._adapters_lock:
+            return [adapter_info(self.adapters.get(n)) for n in self.adapters.names()]
 
     def load_recorded_adapters(self) -> list[str]:
         """Load the adapters the governor records (at start); returns the names that failed to load

@@ -392,9 +392,12 @@ class PredictorActor(QueryPredictor, Health):
 
 
 class ExecutorActor(Health):
-    GROUPS = {"background": 1}
+    GROUPS = {"background": 1, "contexts": 1}
     """The query predictor's low-priority calls run in a group of their own, so that a real call reaches
-    the executor while one runs and makes it yield (`actors.priority.PriorityLock`)."""
+    the executor while one runs and makes it yield (`actors.priority.PriorityLock`). Creating a context
+    and listing the adapters touch no model state (the tokenizer, the adapter names under their lock):
+    they run in a group of their own too, so that they do not wait for a call that may decode for
+    minutes."""
 
     def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
                  recompute_handle, io_handle, prefix: str, threads: int) -> None:
@@ -498,6 +501,7 @@ class ExecutorActor(Health):
         if missing:
             m.io_fraction.labels(p).set(r["loaded"] / missing)
 
+    @ray.method(concurrency_group="contexts")
     def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None,
                 adapter: str | None = None) -> str:
         return self.ex.new_ctx(app, system_prompt, history, adapter)
@@ -508,6 +512,7 @@ class ExecutorActor(Health):
     def remove_adapter(self, name: str) -> None:
         self.ex.remove_adapter(name)
 
+    @ray.method(concurrency_group="contexts")
     def list_adapters(self) -> list[dict]:
         return self.ex.list_adapters()
 

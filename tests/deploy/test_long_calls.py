@@ -8,55 +8,19 @@ and polls for the end state with a generous bound."""
 
 from __future__ import annotations
 
-import json
-import socket
 import time
-from urllib.parse import urlsplit
 
 import pytest
 import ray
 import requests
 
 from deploy.client import Client
-
-# a reply of hundreds of tokens: seconds of decoding on any machine, so the client leaves mid-call
-LONG = {"prompt": "Count from 1 to 300, writing every number in words, one per line.", "max_tokens": 600}
+from tests.deploy.rawhttp import LONG, busy, read_until, send, wait_until
 
 
 @pytest.fixture(scope="module")
 def app(server):
     return Client(server.url, Client(server.url, server.admin).bind("long-calls"))
-
-
-def busy(app: Client, ctx: str) -> bool:
-    return app.context(ctx)["busy"]
-
-
-def wait_until(predicate, what: str, bound_s: float = 180.0) -> None:
-    deadline = time.monotonic() + bound_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
-
-
-def send(server, app: Client, path: str, body: dict) -> socket.socket:
-    """A POST written on a raw socket, so that the test decides when the connection goes away."""
-    url = urlsplit(server.url)
-    s = socket.create_connection((url.hostname, url.port), timeout=120)
-    data = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {app.token}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-    s.sendall(head.encode() + data)
-    return s
-
-
-def read_until(s: socket.socket, marker: bytes) -> bytes:
-    got = b""
-    while marker not in got:
-        chunk = s.recv(4096)
-        assert chunk, f"the connection closed before {marker!r}: {got[-300:]!r}"
-        got += chunk
-    return got
 
 
 def test_ready_during_a_long_call_and_a_stream_left_midway_stops_uncommitted(server, app):
@@ -78,6 +42,25 @@ def test_ready_during_a_long_call_and_a_stream_left_midway_stops_uncommitted(ser
     after = app.context(ctx)
     assert after["turns"] == before["turns"] and after["tokens"] == before["tokens"]  # nothing committed
     assert app.call(ctx, "Say hi.", max_tokens=4).usage["completion_tokens"] > 0  # not locked
+
+
+def test_contexts_are_created_and_adapters_listed_while_a_call_decodes(server, app):
+    """Creating a context (the executor tokenizes its system prompt) and listing the adapters do not wait
+    for the executor's call to end: they run on a thread of their own beside it."""
+    ctx = app.new_ctx("You are terse.")
+    s = send(server, app, f"/v1/contexts/{ctx}/calls", {**LONG, "stream": True})
+    try:
+        read_until(s, b'data: {"delta"')  # the gate: the executor is decoding
+        other = app.new_ctx("You are kind.")
+        listed = requests.get(server.url + "/v1/adapters", headers={"Authorization": f"Bearer {app.token}"},
+                              timeout=60)
+        assert busy(app, ctx), "the call ended before the context was created: the test checked nothing"
+    finally:
+        s.close()
+    assert listed.status_code == 200 and isinstance(listed.json(), (list, dict)), listed.text
+    assert app.context(other)["system_prompt"] == "You are kind."
+    wait_until(lambda: not busy(app, ctx), "the call to stop")
+    assert app.call(other, "Say hi.", max_tokens=4).usage["completion_tokens"] > 0
 
 
 def test_a_client_that_leaves_a_call_without_stream_stops_it_uncommitted(server, app):
