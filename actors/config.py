@@ -26,7 +26,15 @@ class Tuning:
     guess up to this many tokens a pass from the context and keep what greedy decoding chooses, the
     reply unchanged (RAG replies decoded 1.4-1.5x faster, docs/benchmarks.md "Tuning at the edge"); 0: off."""
 
+    executor_threads: int = 0
+    """On Ray: torch threads of the model executor's calls (prefill and decode). 0: every CPU this process
+    may run on (`os.sched_getaffinity`), since the recompute worker's core is idle while a call
+    computes: on 2 cores a 1.5K-token prompt prefilled 1.85x and its reply decoded 1.56x as fast as on
+    one thread (docs/benchmarks.md, "Tuning at the edge"); 1: one thread."""
+
     def __post_init__(self) -> None:
+        if self.executor_threads < 0:
+            raise ValueError(f"executor_threads must be >= 0, got {self.executor_threads!r}")
         if self.object_chunks < 1:
             raise ValueError(f"object_chunks must be >= 1, got {self.object_chunks!r}")
         if self.lookup_draft < 0:

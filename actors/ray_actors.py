@@ -3,8 +3,9 @@ worker and the model executor, each a thin shell around the plain class of its r
 worker's, `actors.recompute.RecomputeWorker`, only gains the probe). The executor's restorer on Ray is
 `actors.ray_restore.RayRestorer`.
 
-- governor and IO worker request no CPU; executor and recompute worker one each, with one torch thread
-  each, so torch threads add up to at most 2 on a 2-core node; governor and IO worker never load
+- governor and IO worker request no CPU; executor and recompute worker one each; the recompute worker
+  runs torch on one thread, the executor's calls on every CPU (`Tuning.executor_threads`: the
+  recompute worker's core is idle while a call decodes); governor and IO worker never load
   torch (this module imports what needs it inside the model actors' constructors): about 180 MiB of
   memory each;
 - a restore that recomputes runs in the recompute worker, which consumes the IO worker's stream of
@@ -42,6 +43,7 @@ from actors.predictor import QueryPredictor
 from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
 from actors.recompute import RecomputeWorker
 from actors.swapio import KVSwapIO
+from engine.threads import torch_threads
 
 
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -401,36 +403,38 @@ class ExecutorActor(Health):
 
     def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
                  recompute_handle, io_handle, prefix: str, threads: int) -> None:
-        import torch
-
         from actors.admission import streamable_working_set
         from actors.executor import ModelExecutor
         from actors.ray_restore import RayRestorer, per_ref_seconds
-        from actors.recompute import FileSegment, shared_working_set, working_set_nbytes
+        from actors.recompute import (FileSegment, shared_working_set, unlink_stale_segments, warn_if_shm_small,
+                                      working_set_nbytes)
         from engine.chat import ChatTokenizer
         from engine.context import ContextEngine
         from engine.kvcache import KVCache
         from engine.lora import AdapterSet
         from engine.model import Transformer
 
-        torch.set_num_threads(max(1, threads))
+        # one thread runs torch on several (`engine.threads.torch_threads`): the calls' thread, which each
+        # call sets (`_on_call_thread`); the constructor, the background group and helpers run on one
+        self.threads = threads or len(os.sched_getaffinity(0))  # `Tuning.executor_threads`
+        torch_threads(1)
         private_files()
         c, ecfg = config, parts.engine
         model = Transformer.from_directory(model_dir, ecfg, fingerprint=fingerprint)
         engine = ContextEngine(model, ChatTokenizer(model_dir), ecfg)
         # a new segment per executor process: a restarted executor never shares a stale one
         shm_name = f"{prefix}-ws-{os.getpid()}"
-        _unlink_stale_segments(prefix)
+        unlink_stale_segments(prefix)
         ws = None
         if c.prefill_budget_bytes:  # K/V that can leave memory layer by layer: a file on disk
             ws_dir = os.path.join(c.data_dir, "ws")
-            _unlink_stale_segments(prefix, Path(ws_dir))
+            unlink_stale_segments(prefix, Path(ws_dir))
             ws = streamable_working_set(model, engine.limit, ecfg.kv_format, ws_dir, shm_name)
         if ws is not None:
             self.shm = FileSegment(ws.pager.file)
             shm_name = self.shm.name
         else:
-            _warn_if_shm_small(working_set_nbytes(model.cfg, engine.limit, ecfg.kv_format))
+            warn_if_shm_small(working_set_nbytes(model.cfg, engine.limit, ecfg.kv_format))
             self.shm, buf = shared_working_set(model.cfg, engine.limit, shm_name, create=True,
                                                kv_format=ecfg.kv_format)
             ws = KVCache.wrap(model.cfg, buf, chunk_tokens=c.chunk_tokens, dtype=model.dtype)
@@ -501,12 +505,18 @@ class ExecutorActor(Health):
         if missing:
             m.io_fraction.labels(p).set(r["loaded"] / missing)
 
+    def _on_call_thread(self) -> None:
+        """Every call's first step: torch runs on `self.threads` threads in this thread, the only one of
+        the process that runs it on more than one."""
+        torch_threads(self.threads)
+
     @ray.method(concurrency_group="contexts")
     def new_ctx(self, app: str, system_prompt: str | None, history: list | None = None,
                 adapter: str | None = None) -> str:
         return self.ex.new_ctx(app, system_prompt, history, adapter)
 
     def add_adapter(self, name: str, path: str) -> dict:
+        self._on_call_thread()
         return self.ex.add_adapter(name, path)
 
     def remove_adapter(self, name: str) -> None:
@@ -518,6 +528,7 @@ class ExecutorActor(Health):
 
     def stream(self, app: str | None, ctx: str, prompt: str, params: dict):
         """Streaming generator: text deltas (str), then the `CallOutcome`."""
+        self._on_call_thread()
         try:
             out = yield from self.ex.call(app, ctx, prompt, **params)
         except BaseException:
@@ -528,12 +539,14 @@ class ExecutorActor(Health):
 
     def rag_call(self, call):
         """`ModelExecutor.rag_call` (a RAG prompt from cached K/V nodes), with the call metrics."""
+        self._on_call_thread()
         out = self.ex.rag_call(call)
         self._observe_rag(call, out)
         return out
 
     def rag_stream(self, call):
         """Streaming generator: `ModelExecutor.rag_stream`'s text deltas, then the `RagOutcome`."""
+        self._on_call_thread()
         with contextlib.closing(self.ex.rag_stream(call)) as items:  # closed early: the call stops now
             for item in items:
                 if not isinstance(item, str):
@@ -557,7 +570,9 @@ class ExecutorActor(Health):
 
     @ray.method(concurrency_group="background")
     def rag_background(self, call):
-        """A low-priority `rag_call` (`RagCall.background`), beside the real calls' group."""
+        """A low-priority `rag_call` (`RagCall.background`), beside the real calls' group, on one torch
+        thread (`_on_call_thread`)."""
+        torch_threads(1)
         return self.ex.rag_call(call)
 
     @ray.method(concurrency_group="health")
@@ -567,6 +582,7 @@ class ExecutorActor(Health):
 
     def stream_stateless(self, system_prompt: str | None, history: list | None, prompt: str, params: dict):
         """Streaming generator: text deltas (str), then the `CallOutcome` of a call on no context."""
+        self._on_call_thread()
         try:
             out = yield from self.ex.call_stateless(system_prompt, history, prompt, **params)
         except BaseException:
@@ -580,9 +596,11 @@ class ExecutorActor(Health):
         yield out
 
     def profile(self, read_bytes_per_s: float) -> str:
-        """Measure (or read the cached) pipeline cost profile with this process's model and threads."""
+        """Measure (or read the cached) pipeline cost profile with this process's model, on one torch
+        thread: the recompute worker's, which runs the recomputation the profile prices."""
         from actors.profiling import load_or_measure
 
+        torch_threads(1)  # the next call sets its own
         prof = load_or_measure(self.ex.model, self.ex.engine.fingerprint, read_bytes_per_s=read_bytes_per_s,
                                progress=False)
         if self.read_rate.s_per_byte <= 0:
@@ -615,35 +633,4 @@ class ExecutorActor(Health):
             logging.getLogger(__name__).exception("the last write-back failed at shutdown")
         self.shm.close()
         self.shm.unlink()
-
-
-def _unlink_stale_segments(prefix: str, folder: Path = Path("/dev/shm")) -> None:
-    """Remove working-set segments (`<prefix>-ws-<pid>`, in `folder`) left by executors that died
-    without closing them: this service's prefix, or any `llmaas*` one; a segment of a live process is
-    left alone."""
-    from actors.metrics import pid_alive
-
-    for seg in folder.glob("*-ws-*"):
-        owner, _, pid = seg.name.rpartition("-ws-")
-        if pid.isdigit() and (owner == prefix or owner.startswith("llmaas")) and not pid_alive(int(pid)):
-            seg.unlink(missing_ok=True)
-
-
-def _warn_if_shm_small(nbytes: int) -> None:
-    """The working set is pages of /dev/shm, taken as they are first written: a
-    tmpfs smaller than that (a container's default is 64 MB) would kill the executor with SIGBUS
-    mid-restore, so say so at start."""
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    if free < nbytes:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "/dev/shm has %.0f MB free, less than the working set (%.0f MB): lower "
-            "max_context_tokens, or give the container more (docker --shm-size)",
-            free / 1e6, nbytes / 1e6)
-
 

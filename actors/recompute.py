@@ -1,5 +1,5 @@
 """The recompute worker (LLMS §3.3, Fig. 8; docs/design.md §4 step 3), and the shared-memory working
-set it and the executor both map.
+set it and the executor both map (made, sized, and its dead executors' segments removed here).
 
 The worker holds the model (weights memory-mapped read-only, shared with the executor) and maps the
 executor's working set, a shared-memory buffer `[L, 2, Hkv, capacity, D]`. For a restore it decodes the
@@ -19,8 +19,10 @@ this module in the governor's and IO worker's processes too, which then never lo
 
 from __future__ import annotations
 
+import logging
 import os
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -176,3 +178,33 @@ class RecomputeWorker:
         res, _whole = restore(ws, req, items, model=self.model, adapter=adapter, resolve=resolve_chunks,
                               streaming_stores=self.streaming_stores)
         return res
+
+
+def unlink_stale_segments(prefix: str, folder: Path = Path("/dev/shm")) -> None:
+    """Remove working-set segments (`<prefix>-ws-<pid>`, in `folder`) left by executors that died
+    without closing them: this service's prefix, or any `llmaas*` one; a segment of a live process is
+    left alone."""
+    from actors.metrics import pid_alive
+
+    for seg in folder.glob("*-ws-*"):
+        owner, _, pid = seg.name.rpartition("-ws-")
+        if pid.isdigit() and (owner == prefix or owner.startswith("llmaas")) and not pid_alive(int(pid)):
+            seg.unlink(missing_ok=True)
+
+
+def warn_if_shm_small(nbytes: int) -> None:
+    """The working set is pages of /dev/shm, taken as they are first written: a
+    tmpfs smaller than that (a container's default is 64 MB) would kill the executor with SIGBUS
+    mid-restore, so say so at start."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        logging.getLogger(__name__).warning(
+            "/dev/shm has %.0f MB free, less than the working set (%.0f MB): lower "
+            "max_context_tokens, or give the container more (docker --shm-size)",
+            free / 1e6, nbytes / 1e6)
+
+

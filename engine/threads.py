@@ -20,12 +20,26 @@ from pathlib import Path
 from engine import native
 
 
-def single_threaded_torch() -> None:
-    """Call first in a helper thread (e.g. a ThreadPoolExecutor initializer): torch ops in this
-    thread run on it alone. Does nothing in a process that has not imported torch."""
+def torch_threads(n: int) -> None:
+    """Torch ops of the calling thread run on `n` threads from now on. Does nothing in a process that
+    has not imported torch.
+
+    Torch's thread count is per thread under OpenMP, and a thread's first op sets it to the process's
+    default (the count the last `torch.set_num_threads` gave, in any thread); asking for the count
+    first applies that default now, so that it cannot replace `n` later. Only one thread of a process
+    should run torch on more than one thread: a second thread's team of two made the first one's
+    decode 26% slower on 2 cores, for as long as both threads lived (25.3 against 18.7 tokens/s, its
+    team's threads sleeping between ops instead of spinning)."""
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.set_num_threads(1)
+        torch.get_num_threads()
+        torch.set_num_threads(n)
+
+
+def single_threaded_torch() -> None:
+    """Call first in a helper thread (e.g. a ThreadPoolExecutor initializer): torch ops in this
+    thread run on it alone (`torch_threads(1)`)."""
+    torch_threads(1)
 
 
 def torch_uses_gnu_openmp() -> bool:
