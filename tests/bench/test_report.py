@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import (accuracy, bf16_prefill, decode_overhead, decode_switches, engine_speed, lookup_decode,
-                   predictor_yield, quantized, rag, rag_blend, report, restore_speed, switching, tuning)
+                   predictor_yield, quantized, rag, rag_blend, report, restore_speed, served_decode, switching,
+                   tuning)
 from bench.markdown import markers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ def _writers() -> list[tuple[str, str, str]]:
     out += [(*report.SET_MARKERS[name], heading) for name, heading in report.SET_SECTIONS.items()]
     out += [(*markers(m.NAME), m.HEADING) for m in (accuracy, restore_speed, decode_overhead, quantized, bf16_prefill,
                                                     rag, rag_blend, predictor_yield, decode_switches,
-                                                    lookup_decode)]
+                                                    lookup_decode, served_decode)]
     # bench.switching names each block by what it ran: BEGIN with "begin" turned into "begin:<tail>"
     out += [(switching.BEGIN.replace("begin", f"begin:{tail}"), switching.END.replace("end", f"end:{tail}"),
              "## Context switching") for tail in SWITCHING_BLOCKS]
