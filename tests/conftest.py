@@ -24,8 +24,9 @@ RAY_MODULES = {
 }
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # one torch thread per pytest worker (and so per Ray actor it starts): two workers with a 2-thread
-    # OpenMP team each on 2 cores spin against each other
+    # one torch thread per pytest worker (and per Ray actor it starts, but the executor, whose calls take
+    # every CPU as when served): two workers with a 2-thread OpenMP team each on 2 cores spin against
+    # each other
     os.environ["OMP_NUM_THREADS"] = "1"
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
