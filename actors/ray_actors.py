@@ -335,9 +335,27 @@ class RecomputeActor(RecomputeWorker, Health):
     """The recompute worker actor: the plain worker (`actors.recompute.RecomputeWorker`) and the probe."""
 
 
+def _in_group(group: str, method):
+    """`method` (of a base class) as an actor method of the concurrency group `group` (not through
+    `functools.wraps`: Ray then reads the group from the wrapped function, which has none)."""
+    @ray.method(concurrency_group=group)
+    def call(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
+
+
 class PredictorActor(QueryPredictor, Health):
     """The query predictor actor (the RAG cache, `actors.predictor.QueryPredictor`): no CPU of its own and
     one torch thread for the embedding model; the model runs in the executor, through its port."""
+
+    GROUPS = {"catalogue": 1}
+    """Listing collections and documents, creating a collection and embedding do not wait for a RAG
+    answer; what changes what a query reads (adding or deleting documents) stays in order with queries."""
+    collections = _in_group("catalogue", QueryPredictor.collections)
+    documents = _in_group("catalogue", QueryPredictor.documents)
+    create_collection = _in_group("catalogue", QueryPredictor.create_collection)
+    embed = _in_group("catalogue", QueryPredictor.embed)
 
     def __init__(self, config: ServiceConfig, model_dir: str, key, executor_handle, io_handle) -> None:
         import torch
@@ -396,10 +414,8 @@ class PredictorActor(QueryPredictor, Health):
 class ExecutorActor(Health):
     GROUPS = {"background": 1, "contexts": 1}
     """The query predictor's low-priority calls run in a group of their own, so that a real call reaches
-    the executor while one runs and makes it yield (`actors.priority.PriorityLock`). Creating a context
-    and listing the adapters touch no model state (the tokenizer, the adapter names under their lock):
-    they run in a group of their own too, so that they do not wait for a call that may decode for
-    minutes."""
+    the executor while one runs and makes it yield (`actors.priority.PriorityLock`); creating a context
+    and listing the adapters (no model state) in another, not waiting for a call."""
 
     def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
                  recompute_handle, io_handle, prefix: str, threads: int) -> None:
@@ -461,8 +477,6 @@ class ExecutorActor(Health):
         # chunks) are gone; the governor unlocks and rebuilds from the registry (a no-op at first start)
         interrupted = self.ex.gov.executor_started()
         if interrupted:
-            import logging
-
             logging.getLogger(__name__).warning("executor restarted: %d call(s) in flight were interrupted", interrupted)
         model.warmup()
         from actors.metrics import Metrics, init_executor_series
@@ -628,8 +642,6 @@ class ExecutorActor(Health):
         try:  # the last write-back encodes from the working set: it must end before the segment goes
             self.ex.flush()
         except Exception:
-            import logging
-
             logging.getLogger(__name__).exception("the last write-back failed at shutdown")
         self.shm.close()
         self.shm.unlink()

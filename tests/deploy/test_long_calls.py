@@ -1,7 +1,8 @@
 """Long calls over real HTTP (the session's Serve application): `/readyz` answers 200 while a call holds
 the model executor, and 503 while an actor restarts, then 200 again; a client that goes away in the
 middle of a call, streaming or not, stops it, and its turn is not committed; one that leaves a
-streamed RAG answer stops it, and nothing of it is stored.
+streamed RAG answer stops it, and nothing of it is stored; contexts are created, adapters, collections
+and documents listed while a call runs or a RAG query waits for the executor.
 
 No timing bets: each test waits on a gate (the first streamed event, the context held by its call)
 and polls for the end state with a generous bound."""
@@ -54,7 +55,7 @@ def test_contexts_are_created_and_adapters_listed_while_a_call_decodes(server, a
         other = app.new_ctx("You are kind.")
         listed = requests.get(server.url + "/v1/adapters", headers={"Authorization": f"Bearer {app.token}"},
                               timeout=60)
-        assert busy(app, ctx), "the call ended before the context was created: the test checked nothing"
+        assert busy(app, ctx), "the call had ended when the context was created: it waited for the call"
     finally:
         s.close()
     assert listed.status_code == 200 and isinstance(listed.json(), (list, dict)), listed.text
@@ -93,6 +94,39 @@ def test_a_rag_answer_left_midway_stops_and_stores_nothing(server, app):
         s.close()  # the client goes away mid-answer
     again = app.ask(col, LONG["prompt"], max_tokens=4)
     assert again["cache"]["level"] != "qa_bank" and again["usage"]["completion_tokens"] > 0
+
+
+def service_actor(role: str):
+    """The session's actor of `role` (the last replica's, where an earlier one left actors)."""
+    from actors.ray_service import NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith("llmaas-") and a["name"].endswith(f"-{role}")]
+    assert names, role
+    return ray.get_actor(sorted(names)[-1], namespace=NAMESPACE)
+
+
+def test_collections_and_documents_are_listed_while_a_rag_query_waits(server, app):
+    """The query predictor runs one query at a time; listing collections and documents, creating a
+    collection and embedding run beside it. A chat call holds the executor (the gate: its first delta),
+    so a RAG query sent to the predictor cannot end before it; a listing sent after the query by the
+    same caller would run after it, in order, were both on the predictor's one default thread."""
+    col = app.create_collection("listing")
+    app.add_document(col, "Numbers in words: one, two, three, four, five, six, seven, eight, nine, ten.")
+    ctx = app.new_ctx("You are terse.")
+    predictor = service_actor("predictor")
+    s = send(server, app, f"/v1/contexts/{ctx}/calls", {**LONG, "stream": True})
+    try:
+        read_until(s, b'data: {"delta"')  # the executor decodes the chat call
+        query = predictor.query.remote("long-calls", col, "Name a number.", {"max_tokens": 4})
+        listed = ray.get(predictor.collections.remote("long-calls"), timeout=120)
+        docs = ray.get(predictor.documents.remote("long-calls", col), timeout=120)
+        assert busy(app, ctx), "the chat call had ended when the listing answered: it waited for the query"
+    finally:
+        s.close()
+    assert col in [c["id"] for c in listed] and len(docs) == 1
+    assert ray.get(query, timeout=120).finish_reason in ("stop", "length")  # it ran once the executor was free
+    assert col in [c["id"] for c in app.collections()] and len(app.documents(col)) == 1  # the routes' methods
 
 
 def test_readyz_is_503_while_an_actor_restarts_and_200_once_it_is_back(server, app):
