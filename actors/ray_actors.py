@@ -418,7 +418,7 @@ class ExecutorActor(Health):
     and listing the adapters (no model state) in another, not waiting for a call."""
 
     def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
-                 recompute_handle, io_handle, prefix: str, threads: int) -> None:
+                 recompute_handle, io_handle, prefix: str) -> None:
         from actors.admission import streamable_working_set
         from actors.executor import ModelExecutor
         from actors.ray_restore import RayRestorer, per_ref_seconds
@@ -432,7 +432,7 @@ class ExecutorActor(Health):
 
         # one thread runs torch on several (`engine.threads.torch_threads`): the calls' thread, which each
         # call sets (`_on_call_thread`); the constructor, the background group and helpers run on one
-        self.threads = threads or len(os.sched_getaffinity(0))  # `Tuning.executor_threads`
+        self.threads = parts.tuning.executor_threads or len(os.sched_getaffinity(0))
         torch_threads(1)
         private_files()
         c, ecfg = config, parts.engine

@@ -76,8 +76,7 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     recompute = _actor(recompute_actor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
         str(resolved.directory), resolved.fingerprint, parts.engine, io, 1, parts.tuning, config.adapter_dir())
     executor = _actor(executor_actor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
-        config, parts, str(resolved.directory), resolved.fingerprint, gov, recompute, io, prefix,
-        parts.tuning.executor_threads)
+        config, parts, str(resolved.directory), resolved.fingerprint, gov, recompute, io, prefix)
     ray.get([executor.__ray_ready__.remote(), recompute.__ray_ready__.remote()])
     if not config.profile:
         ray.get(gov.set_profile.remote(ray.get(executor.profile.remote(config.read_bytes_per_s))))

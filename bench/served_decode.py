@@ -3,15 +3,15 @@ process, and what the executor's torch threads buy (`Tuning.executor_threads`, d
 "Tuning at the edge").
 
 Arms: (engine) the bare `ContextEngine` in this process, on every core, with the service's lookup
-decoding; (ray N) a fresh local Ray with
-the service's actors (`actors.ray_service.wire_ray`, policy `llms`, a KV budget of a quarter of the
+decoding; (ray N) a fresh local Ray with the service's actors (`actors.ray_service.wire_ray`, policy `llms`, a KV budget of a quarter of the
 context at q8), its executor on N torch threads (0: `Tuning.executor_threads`'s default, every CPU).
 Each arm runs the calls of `bench.decode_overhead`: a ~1.5K-token real-text prompt decoding up to
 `--max-tokens` greedy tokens, a call on another context (which takes the working set), then a short
 follow-up on the first context, which restores it first. Per call the outcome's figures: decode
 tokens/s = (completion_tokens - 1) / (total_s - ttft_s - switch_s), the first call's prefill (its
 ttft_ms) and the follow-up's switch_ms. The arms' order rotates from round to round; medians of the
-rounds, and each Ray arm's decode over the engine's of the same round (paired; prefill: the engine's time over the arm's).
+rounds, and each Ray arm's decode over the engine's of the same round (paired; prefill: the
+engine's time over the arm's).
 
     python -m bench.served_decode [--rounds 3] [--threads 0 1] [--write docs/benchmarks.md]
 """
@@ -41,19 +41,10 @@ def outcome_rates(res) -> dict:
             "tokens": res.completion_tokens, "ids": list(res.token_ids)}
 
 
-def drain(stream):
-    it = iter(stream)
-    while True:
-        try:
-            next(it)
-        except StopIteration as stop:
-            return stop.value
-
-
 def run_engine(engine, p1: str, p2: str, max_tokens: int) -> list[dict]:
     ctx = engine.new_ctx()
     try:
-        return [outcome_rates(drain(engine.stream(ctx, p, max_tokens=max_tokens))) for p in (p1, p2)]
+        return [outcome_rates(engine.call(ctx, p, max_tokens=max_tokens)) for p in (p1, p2)]
     finally:
         engine.delete_ctx(ctx)
 
@@ -93,12 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--write", type=Path, help=f"replace the {NAME} section of this markdown file")
     args = ap.parse_args(argv)
 
+    from actors.config import Tuning
     from bench.decode_overhead import prompts
     from bench.switching import quarter_q8_budget
     from engine.config import EngineConfig
     from engine.context import ContextEngine
-
-    from actors.config import Tuning
 
     # the service's decoding (lookup decoding as `Tuning` sets it): the same replies, the same passes
     engine = ContextEngine.load(None, EngineConfig(max_context_tokens=4096, lookup_draft=Tuning().lookup_draft))

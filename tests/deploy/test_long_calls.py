@@ -96,14 +96,14 @@ def test_a_rag_answer_left_midway_stops_and_stores_nothing(server, app):
     assert again["cache"]["level"] != "qa_bank" and again["usage"]["completion_tokens"] > 0
 
 
-def service_actor(role: str):
-    """The session's actor of `role` (the last replica's, where an earlier one left actors)."""
+def service_actors(role: str) -> list:
+    """The session's actors of `role`: this replica's (and any left by an earlier replica)."""
     from actors.ray_service import NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NAMESPACE and a["name"].startswith("llmaas-") and a["name"].endswith(f"-{role}")]
     assert names, role
-    return ray.get_actor(sorted(names)[-1], namespace=NAMESPACE)
+    return [ray.get_actor(n, namespace=NAMESPACE) for n in sorted(names)]
 
 
 def test_collections_and_documents_are_listed_while_a_rag_query_waits(server, app):
@@ -114,7 +114,7 @@ def test_collections_and_documents_are_listed_while_a_rag_query_waits(server, ap
     col = app.create_collection("listing")
     app.add_document(col, "Numbers in words: one, two, three, four, five, six, seven, eight, nine, ten.")
     ctx = app.new_ctx("You are terse.")
-    predictor = service_actor("predictor")
+    predictor, = service_actors("predictor")  # the one replica's (an earlier replica's were killed with it)
     s = send(server, app, f"/v1/contexts/{ctx}/calls", {**LONG, "stream": True})
     try:
         read_until(s, b'data: {"delta"')  # the executor decodes the chat call
@@ -132,13 +132,8 @@ def test_collections_and_documents_are_listed_while_a_rag_query_waits(server, ap
 def test_readyz_is_503_while_an_actor_restarts_and_200_once_it_is_back(server, app):
     """The recompute worker killed (as by the OOM killer): until Ray has restarted it (a new process
     that loads the model), `/readyz` names it and answers 503; then 200, and calls work."""
-    from actors.ray_service import NAMESPACE
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and a["name"].startswith("llmaas-") and a["name"].endswith("-recompute")]
-    assert names
-    for name in names:  # this replica's worker (and any left by an earlier replica)
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+    for actor in service_actors("recompute"):
+        ray.kill(actor, no_restart=False)
     seen: list[requests.Response] = []
 
     def ready(status: int) -> bool:
