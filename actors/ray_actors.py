@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from actors.config import ServiceConfig, Tuning, private_files
 from actors.service import Components
 from actors.messages import PoolRef, WithReleases
 from actors.predictor import QueryPredictor
-from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub
+from actors.ray_stubs import GovernorStub, RecomputeStub, ResidentRefs, SwapIOStub, peer
 from actors.recompute import RecomputeWorker
 from actors.swapio import KVSwapIO
 from engine.threads import torch_threads
@@ -52,14 +53,11 @@ crash-looping actor slows down instead of spinning, one that failed once comes s
 RESTART_WINDOW_S = 60.0
 
 RAY_SYSTEM_CONFIG = {"free_objects_period_milliseconds": 50}
-"""`ray.init(_system_config=...)` for a Ray the service starts itself (`llmaas serve`, a local replay).
-The raylet deletes freed objects in batches, by default once a second; until then their pages stay
-taken, and the object store's allocator takes fresh ones for the next objects. A streamed context's
-write-back and restore pass a layer's K/V through the object store every few hundred milliseconds,
-so with the default the store's pages in /dev/shm grew by 137 MiB over one 6,000-token call with a
-32 MiB budget; deleted every 50 ms, by 18-27 MiB, two or three batches (`bench/serve_long_prompt.py`
-measures it). A Ray cluster the service joins keeps its own setting (`deploy/serve_config.yaml` says
-how to start one with it)."""
+"""`ray.init(_system_config=...)` for a Ray the service starts itself (`llmaas serve`, a local replay):
+freed objects are deleted every 50 ms instead of once a second, so the pages of a streamed context's
+layers passing through the object store are reused instead of piling up in /dev/shm (docs/design.md,
+step 5; `bench/serve_long_prompt.py` measures it). A Ray cluster the service joins keeps its own
+setting (`deploy/serve_config.yaml` says how to start one with it)."""
 
 HEALTH_GROUPS = {"health": 1}
 """The concurrency groups every actor of the service is made with (`ray.remote(concurrency_groups=...)`):
@@ -82,8 +80,9 @@ def restarted(role: str, data_dir: str, metrics) -> bool:
     """Call early in an actor's start: when Ray is restarting it after a failure, count the restart
     (`llmaas_actor_restarts_total{role}`, a file per role under `<data_dir>/restarts` keeps the
     recent ones) and pause by `RESTART_BACKOFF_S`. Returns whether this start is a restart."""
-    if not ray.get_runtime_context().was_current_actor_reconstructed:
-        return False
+    with warnings.catch_warnings(action="ignore", category=DeprecationWarning):  # Ray's own property
+        if not ray.get_runtime_context().was_current_actor_reconstructed:  # reads a deprecated one
+            return False
     log = Path(data_dir) / "restarts" / role
     log.parent.mkdir(parents=True, exist_ok=True)
     now = time.time()
@@ -112,7 +111,6 @@ class IOActor(KVSwapIO, Health):
         from actors.metrics import Metrics
 
         private_files()
-
         super().__init__(root, key, config, **kw)
         m = Metrics()
         m.start("io", data_dir)
@@ -134,7 +132,7 @@ class GovernorActor(Health):
 
     PUBLISH_DELAY_S = 0.05
 
-    def __init__(self, config: ServiceConfig, parts: Components, io_handle, fingerprint: str) -> None:
+    def __init__(self, config: ServiceConfig, parts: Components, prefix: str, fingerprint: str) -> None:
         from actors.governor import MemoryGovernor
         from actors.metrics import Metrics
         from actors.profiling import ProfileCache, profile_key
@@ -155,7 +153,7 @@ class GovernorActor(Health):
         self._released: list[int] = []  # keys of handles dropped since the executor last heard
         self.epoch = os.urandom(8).hex()  # this governor process: a new one knows none of the old keys
         self._changed = threading.Event()  # set by every change, and by every write ahead of time done
-        self.gov = MemoryGovernor(reg, SwapIOStub(io_handle), parts.governor, profile=profile, release=self._release,
+        self.gov = MemoryGovernor(reg, SwapIOStub(peer(prefix, "io")), parts.governor, profile=profile, release=self._release,
                                   wake=self._changed.set)
         self.metrics = Metrics()
         self.metrics.start("governor", c.data_dir)
@@ -334,6 +332,9 @@ class GovernorActor(Health):
 class RecomputeActor(RecomputeWorker, Health):
     """The recompute worker actor: the plain worker (`actors.recompute.RecomputeWorker`) and the probe."""
 
+    def __init__(self, model_dir: str, fingerprint: str, engine_cfg, prefix: str, *args, **kw) -> None:
+        super().__init__(model_dir, fingerprint, engine_cfg, peer(prefix, "io"), *args, **kw)
+
 
 def _in_group(group: str, method):
     """`method` (of a base class) as an actor method of the concurrency group `group` (not through
@@ -357,7 +358,7 @@ class PredictorActor(QueryPredictor, Health):
     create_collection = _in_group("catalogue", QueryPredictor.create_collection)
     embed = _in_group("catalogue", QueryPredictor.embed)
 
-    def __init__(self, config: ServiceConfig, model_dir: str, key, executor_handle, io_handle) -> None:
+    def __init__(self, config: ServiceConfig, model_dir: str, key, prefix: str) -> None:
         import torch
 
         from actors.ray_stubs import ExecutorStub, resolved_items
@@ -367,8 +368,8 @@ class PredictorActor(QueryPredictor, Health):
 
         torch.set_num_threads(1)
         private_files()
-        super().__init__(config.data_dir, ChatTokenizer(model_dir), ExecutorStub(executor_handle),
-                         SwapIOStub(io_handle).delete_context, key, config.rag, resolve_stream=resolved_items)
+        super().__init__(config.data_dir, ChatTokenizer(model_dir), ExecutorStub(peer(prefix, "executor")),
+                         SwapIOStub(peer(prefix, "io")).delete_context, key, config.rag, resolve_stream=resolved_items)
         self.metrics = m = Metrics()
         m.start("predictor", config.data_dir)
         restarted("predictor", config.data_dir, m)
@@ -417,8 +418,8 @@ class ExecutorActor(Health):
     the executor while one runs and makes it yield (`actors.priority.PriorityLock`); creating a context
     and listing the adapters (no model state) in another, not waiting for a call."""
 
-    def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str, gov_handle,
-                 recompute_handle, io_handle, prefix: str) -> None:
+    def __init__(self, config: ServiceConfig, parts: Components, model_dir: str, fingerprint: str,
+                 prefix: str) -> None:
         from actors.admission import streamable_working_set
         from actors.executor import ModelExecutor
         from actors.ray_restore import RayRestorer, per_ref_seconds
@@ -458,13 +459,14 @@ class ExecutorActor(Health):
 
         prof = CostProfile.from_json(c.profile) if c.profile else None
         self.read_rate = ReadRate(prof.io.slope if prof else 0.0)
+        io_handle = peer(prefix, "io")
         self.per_ref_s = per_ref_seconds(io_handle)
         t = parts.tuning
         refs = ResidentRefs(t.object_chunks)
-        gov = GovernorStub(gov_handle, refs)
+        gov = GovernorStub(peer(prefix, "governor"), refs)
         refs.rehome = gov.rehome
         adapters = AdapterSet(c.adapter_dir(), model.cfg, device=model.device, dtype=model.dtype)
-        restorer = RayRestorer(RecomputeStub(recompute_handle), model.cfg, shm_name, engine.limit, c.chunk_tokens,
+        restorer = RayRestorer(RecomputeStub(peer(prefix, "recompute")), model.cfg, shm_name, engine.limit, c.chunk_tokens,
                                self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held, refs.views,
                                tuning=t, adapters=adapters, storage_name=ws.storage_name)
         self.refs = refs

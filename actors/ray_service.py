@@ -19,11 +19,9 @@ import ray
 
 from actors.config import ServiceConfig, prepare_data_dir
 from actors.ray_actors import HEALTH_GROUPS, ExecutorActor, GovernorActor, IOActor, PredictorActor, RecomputeActor
-from actors.ray_stubs import ExecutorStub, GovernorStub, PredictorStub, resolve_call_item, resolve_chunks
+from actors.ray_stubs import NAMESPACE, ExecutorStub, GovernorStub, PredictorStub, resolve_call_item, resolve_chunks
 from actors.messages import KVKey
 from actors.service import ContextService, components
-
-NAMESPACE = "llmaas"
 
 MAX_RESTARTS = -1
 """Restarts Ray grants each actor: as many as it fails (a crash loop slows down by
@@ -72,16 +70,16 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
         str(Path(config.data_dir) / "chunks"), key, parts.store,
         config.data_dir, tuning=parts.tuning, resolve=resolve_chunks)
     gov = _actor(GovernorActor).options(name=f"{prefix}-governor", num_cpus=0, **common).remote(
-        config, parts, io, resolved.fingerprint)
+        config, parts, prefix, resolved.fingerprint)
     recompute = _actor(recompute_actor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
-        str(resolved.directory), resolved.fingerprint, parts.engine, io, 1, parts.tuning, config.adapter_dir())
+        str(resolved.directory), resolved.fingerprint, parts.engine, prefix, 1, parts.tuning, config.adapter_dir())
     executor = _actor(executor_actor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
-        config, parts, str(resolved.directory), resolved.fingerprint, gov, recompute, io, prefix)
+        config, parts, str(resolved.directory), resolved.fingerprint, prefix)
     ray.get([executor.__ray_ready__.remote(), recompute.__ray_ready__.remote()])
     if not config.profile:
         ray.get(gov.set_profile.remote(ray.get(executor.profile.remote(config.read_bytes_per_s))))
     predictor = _actor(PredictorActor).options(name=f"{prefix}-predictor", num_cpus=0, **common).remote(
-        config, str(resolved.directory), key, executor, io)
+        config, str(resolved.directory), key, prefix)
     return _front(RayParts(io, gov, recompute, executor, predictor), model_name(resolved), config)
 
 

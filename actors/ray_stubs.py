@@ -25,6 +25,17 @@ from actors.messages import (CallInterruptedError, CallPlan, CommitReply, PoolRe
 from storage import codecs
 
 
+NAMESPACE = "llmaas"
+"""The Ray namespace of the service's actors."""
+
+
+def peer(prefix: str, role: str):
+    """The handle of this node's actor `role` (`<prefix>-<role>`, in `NAMESPACE`). Actors
+    find their peers by name rather than taking handles as constructor arguments: Ray keeps a handle
+    argument in the object store, where a restart needs it again (ray-project/ray#53727)."""
+    return ray.get_actor(f"{prefix}-{role}", namespace=NAMESPACE)
+
+
 def resolve_chunks(handles: list[PoolRef | codecs.EncodedChunk]) -> list[codecs.EncodedChunk]:
     """The chunks behind resident handles, in order; each object they are in is fetched once. A chunk
     given by value (a RAG node's record, `actors.rag.save_node`) is itself."""
