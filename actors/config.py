@@ -31,14 +31,32 @@ class Tuning:
     may run on (`os.sched_getaffinity`), since the recompute worker's core is idle while a call
     computes: on 2 cores a 1.5K-token prompt prefilled 1.85x and its reply decoded 1.56x as fast as on
     one thread (docs/benchmarks.md, "Tuning at the edge"); 1: one thread."""
+    executor_spin: int = 0
+    """On Ray: how long the executor's OpenMP threads spin at a barrier before they sleep
+    (`GOMP_SPINCOUNT`, set in its process's environment unless `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` is
+    set already); 0: libgomp's default (300,000). For a box with other work: beside one busy process,
+    10000 decoded 4.7x and prefilled 2.3x as fast as the default (a waiting thread no longer keeps
+    the core its descheduled teammate needs), but on an idle box it prefilled 1.5x slower
+    (docs/benchmarks.md, "Tuning at the edge")."""
 
     def __post_init__(self) -> None:
         if self.executor_threads < 0:
             raise ValueError(f"executor_threads must be >= 0, got {self.executor_threads!r}")
+        if self.executor_spin < 0:
+            raise ValueError(f"executor_spin must be >= 0, got {self.executor_spin!r}")
         if self.object_chunks < 1:
             raise ValueError(f"object_chunks must be >= 1, got {self.object_chunks!r}")
         if self.lookup_draft < 0:
             raise ValueError(f"lookup_draft must be >= 0, got {self.lookup_draft!r}")
+
+
+def openmp_env(tuning: Tuning) -> dict[str, str]:
+    """The environment that gives the executor's process `tuning.executor_spin` (libgomp reads it as it
+    loads, before torch runs): nothing when the spin is libgomp's default or the user's environment
+    already says how OpenMP threads wait."""
+    if not tuning.executor_spin or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
+        return {}
+    return {"GOMP_SPINCOUNT": str(tuning.executor_spin)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from actors.config import ServiceConfig, prepare_data_dir
+from actors.config import ServiceConfig, openmp_env, prepare_data_dir
 from actors.ray_actors import HEALTH_GROUPS, ExecutorActor, GovernorActor, IOActor, PredictorActor, RecomputeActor
 from actors.ray_stubs import NAMESPACE, ExecutorStub, GovernorStub, PredictorStub, resolve_call_item, resolve_chunks
 from actors.messages import KVKey
@@ -73,7 +73,8 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
         config, parts, prefix, resolved.fingerprint)
     recompute = _actor(recompute_actor).options(name=f"{prefix}-recompute", num_cpus=1, **common).remote(
         str(resolved.directory), resolved.fingerprint, parts.engine, prefix, 1, parts.tuning, config.adapter_dir())
-    executor = _actor(executor_actor).options(name=f"{prefix}-executor", num_cpus=1, **common).remote(
+    executor = _actor(executor_actor).options(name=f"{prefix}-executor", num_cpus=1,
+                                              runtime_env=executor_env(parts.tuning), **common).remote(
         config, parts, str(resolved.directory), resolved.fingerprint, prefix)
     ray.get([executor.__ray_ready__.remote(), recompute.__ray_ready__.remote()])
     if not config.profile:
@@ -81,6 +82,13 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
     predictor = _actor(PredictorActor).options(name=f"{prefix}-predictor", num_cpus=0, **common).remote(
         config, str(resolved.directory), key, prefix)
     return _front(RayParts(io, gov, recompute, executor, predictor), model_name(resolved), config)
+
+
+def executor_env(tuning) -> dict | None:
+    """The executor's `runtime_env`: its OpenMP spin (`actors.config.openmp_env`), or None (the
+    environment of the process that starts it)."""
+    env = openmp_env(tuning)
+    return {"env_vars": env} if env else None
 
 
 def _front(parts: RayParts, model_id: str, config: ServiceConfig | None) -> ContextService:

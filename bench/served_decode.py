@@ -13,7 +13,10 @@ ttft_ms) and the follow-up's switch_ms. The arms' order rotates from round to ro
 rounds, and each Ray arm's decode over the engine's of the same round (paired; prefill: the
 engine's time over the arm's).
 
-    python -m bench.served_decode [--rounds 3] [--threads 0 1] [--write docs/benchmarks.md]
+`--spins` adds arms by the executor's OpenMP spin (`Tuning.executor_spin`) and `--busy K` runs K
+busy-looping processes beside every arm, as on a box with other work.
+
+    python -m bench.served_decode [--rounds 3] [--threads 0 1] [--spins 10000 0] [--busy 1] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +53,8 @@ def run_engine(engine, p1: str, p2: str, max_tokens: int) -> list[dict]:
         engine.delete_ctx(ctx)
 
 
-def run_ray(threads: int, engine, p1: str, p2: str, max_tokens: int, pool: int, tmp: str) -> list[dict]:
+def run_ray(threads: int, engine, p1: str, p2: str, max_tokens: int, pool: int, tmp: str,
+            spin: int | None = None) -> list[dict]:
     import ray
 
     from actors.ray_actors import RAY_SYSTEM_CONFIG
@@ -57,8 +62,8 @@ def run_ray(threads: int, engine, p1: str, p2: str, max_tokens: int, pool: int, 
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, _system_config=RAY_SYSTEM_CONFIG)
     try:
-        svc = open_service("llms", engine, pool, 0.0, True, tmp, options={
-            "tuning": {"executor_threads": threads}, "rag": {"predict": False}})
+        tuning = {"executor_threads": threads} | ({} if spin is None else {"executor_spin": spin})
+        svc = open_service("llms", engine, pool, 0.0, True, tmp, options={"tuning": tuning, "rag": {"predict": False}})
         tok = svc.bind("bench")
         ctx, other = svc.new_ctx(tok), svc.new_ctx(tok)
         svc.call(tok, other, p2, max_tokens=8)  # warm-up: the actors' first call, untimed
@@ -79,6 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each arm once a round (default 3)")
     ap.add_argument("--threads", type=int, nargs="+", default=[0, 1],
                     help="executor torch threads of the Ray arms (0: the default, every CPU; default: 0 1)")
+    ap.add_argument("--spins", type=int, nargs="+",
+                    help="arms by the executor's OpenMP spin (`Tuning.executor_spin`; 0: libgomp's default) "
+                         "for each thread count (default: the default spin only)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="busy-looping processes running beside every arm: a box with other work (default 0)")
     ap.add_argument("--prompt-tokens", type=int, default=1536, help="first prompt's length in tokens (default 1536)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens to decode per call (default 128)")
     ap.add_argument("--write", type=Path, help=f"replace the {NAME} section of this markdown file")
@@ -94,9 +104,20 @@ def main(argv=None) -> int:
     engine = ContextEngine.load(None, EngineConfig(max_context_tokens=4096, lookup_draft=Tuning().lookup_draft))
     p1, p2 = prompts(engine, args.prompt_tokens, 64)
     pool, tokens = quarter_q8_budget(engine, [p1])
-    arms = ["engine"] + [f"ray {n}" for n in args.threads]
-    res: dict[str, list[list[dict]]] = {a: [] for a in arms}
+    arms = ["engine"] + [f"ray {n}" + ("" if s is None else f" spin {s}") for n in args.threads
+                         for s in (args.spins or [None])]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     t0 = time.perf_counter()
+    try:
+        res = run_arms(args, arms, engine, p1, p2, pool, t0)
+    finally:
+        for b in busy:
+            b.kill()
+    return report(args, arms, res, pool, tokens, t0)
+
+
+def run_arms(args, arms: list[str], engine, p1: str, p2: str, pool: int, t0: float) -> dict[str, list]:
+    res: dict[str, list[list[dict]]] = {a: [] for a in arms}
     run_engine(engine, p1, p2, 8)  # warm-up
     with tempfile.TemporaryDirectory(dir=os.environ.get("LLMAAS_BENCH_DIR")) as tmp:
         for k in range(args.rounds):
@@ -104,22 +125,31 @@ def main(argv=None) -> int:
                 if arm == "engine":
                     got = run_engine(engine, p1, p2, args.max_tokens)
                 else:
-                    got = run_ray(int(arm.split()[1]), engine, p1, p2, args.max_tokens, pool,
-                                  str(Path(tmp) / f"{k}-{arm.replace(' ', '')}"))
+                    words = arm.split()
+                    got = run_ray(int(words[1]), engine, p1, p2, args.max_tokens, pool,
+                                  str(Path(tmp) / f"{k}-{arm.replace(' ', '')}"),
+                                  spin=int(words[3]) if len(words) > 3 else None)
                 res[arm].append(got)
                 print(f"round {k + 1} {arm}: decode {got[0]['decode']:.1f} / {got[1]['decode']:.1f} tok/s, "
                       f"prefill {got[0]['ttft_ms']:.0f} ms, switch {got[1]['switch_ms']:.0f} ms "
                       f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return res
+
+
+def report(args, arms: list[str], res: dict[str, list], pool: int, tokens: int, t0: float) -> int:
     med = statistics.median
     cmd = (f"python -m bench.served_decode --rounds {args.rounds} --threads {' '.join(map(str, args.threads))} "
-           f"--prompt-tokens {args.prompt_tokens} --max-tokens {args.max_tokens}")
+           + (f"--spins {' '.join(map(str, args.spins))} " if args.spins else "")
+           + (f"--busy {args.busy} " if args.busy else "")
+           + f"--prompt-tokens {args.prompt_tokens} --max-tokens {args.max_tokens}")
     lines = [
         f"Command: `{cmd}`. {machine_line()}. Default model, float32, greedy; "
         f"{(time.perf_counter() - t0) / 60:.1f} min.",
         "",
         f"The served path (a fresh local Ray per run: the service's actors, policy `llms`, KV budget "
         f"{pool / 1e6:.1f} MB, a quarter of the context at q8) against the bare engine in this process "
-        f"({os.cpu_count()} torch threads): a {tokens}-token prompt decoding up to {args.max_tokens} tokens, a "
+        f"({os.cpu_count()} torch threads){f', {args.busy} busy process(es) beside every arm' if args.busy else ''}"
+        f": a {tokens}-token prompt decoding up to {args.max_tokens} tokens, a "
         "call on another context, then a 64-token follow-up that restores the context first. Decode "
         "tokens/s from each call's outcome ((completion_tokens - 1) / (total_s - ttft_s - switch_s)); the "
         f"arms' order rotated over {args.rounds} rounds; medians, and decode over the engine's of the same "
@@ -136,7 +166,8 @@ def main(argv=None) -> int:
         decode = med(r[0]["decode"] / b[0]["decode"] for r, b in zip(rows, base))
         prefill = med(b[0]["ttft_ms"] / r[0]["ttft_ms"] for r, b in zip(rows, base))
         same = [sum(r[t]["ids"] == b[t]["ids"] for r, b in zip(rows, base)) for t in (0, 1)]
-        label = "engine (this process)" if arm == "engine" else f"Ray, executor threads {arm.split()[1]}"
+        label = "engine (this process)" if arm == "engine" else f"Ray, executor threads {arm.split()[1]}" + (
+            f", spin {arm.split()[3]}" if len(arm.split()) > 3 else "")
         lines.append(f"| {label} | {med(r[0]['decode'] for r in rows):.1f} | {decode:.2f}x | "
                      f"{med(r[0]['ttft_ms'] for r in rows):.0f} | {prefill:.2f}x | {med(r[1]['decode'] for r in rows):.1f} | "
                      f"{med(r[1]['switch_ms'] for r in rows):.1f} | {same[0]}, {same[1]} of {len(rows)} |")

@@ -18,6 +18,7 @@ def test_tuning_defaults_to_everything_on():
     assert t.streaming_stores
     assert t.object_chunks == 16
     assert t.lookup_draft == 4
+    assert t.executor_spin == 0  # libgomp's own: the spin trades idle prefill for a busy box's speed
 
 
 def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():
@@ -86,3 +87,21 @@ def test_lookup_draft_reaches_the_executors_engine():
     assert ServiceConfig().tuning.lookup_draft == 4
     config = ServiceConfig(tuning={"lookup_draft": "6"})
     assert components(config, shape, "float32").engine.lookup_draft == 6
+
+
+def test_the_executors_openmp_spin_is_set_unless_off_or_the_users_environment_says_how_threads_wait(
+        monkeypatch):
+    from actors.config import openmp_env
+    from actors.ray_service import executor_env
+
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    assert executor_env(Tuning(executor_spin=10000)) == {"env_vars": {"GOMP_SPINCOUNT": "10000"}}
+    assert openmp_env(Tuning(executor_spin=250)) == {"GOMP_SPINCOUNT": "250"}
+    assert openmp_env(Tuning()) == {} and executor_env(Tuning()) is None  # libgomp's default
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        with monkeypatch.context() as m:
+            m.setenv(name, "PASSIVE" if name == "OMP_WAIT_POLICY" else "1")
+            assert openmp_env(Tuning(executor_spin=10000)) == {}
+    with pytest.raises(ValueError, match="executor_spin must be >= 0"):
+        Tuning(executor_spin=-1)
