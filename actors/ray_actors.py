@@ -153,8 +153,8 @@ class GovernorActor(Health):
         self._released: list[int] = []  # keys of handles dropped since the executor last heard
         self.epoch = os.urandom(8).hex()  # this governor process: a new one knows none of the old keys
         self._changed = threading.Event()  # set by every change, and by every write ahead of time done
-        self.gov = MemoryGovernor(reg, SwapIOStub(peer(prefix, "io")), parts.governor, profile=profile, release=self._release,
-                                  wake=self._changed.set)
+        self.gov = MemoryGovernor(reg, SwapIOStub(peer(prefix, "io")), parts.governor, profile=profile,
+                                  release=self._release, wake=self._changed.set)
         self.metrics = Metrics()
         self.metrics.start("governor", c.data_dir)
         restarted("governor", c.data_dir, self.metrics)
@@ -466,9 +466,9 @@ class ExecutorActor(Health):
         gov = GovernorStub(peer(prefix, "governor"), refs)
         refs.rehome = gov.rehome
         adapters = AdapterSet(c.adapter_dir(), model.cfg, device=model.device, dtype=model.dtype)
-        restorer = RayRestorer(RecomputeStub(peer(prefix, "recompute")), model.cfg, shm_name, engine.limit, c.chunk_tokens,
-                               self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held, refs.views,
-                               tuning=t, adapters=adapters, storage_name=ws.storage_name)
+        restorer = RayRestorer(RecomputeStub(peer(prefix, "recompute")), model.cfg, shm_name, engine.limit,
+                               c.chunk_tokens, self.per_ref_s, self.read_rate, SwapIOStub(io_handle), refs.held,
+                               refs.views, tuning=t, adapters=adapters, storage_name=ws.storage_name)
         self.refs = refs
         self.ex = ModelExecutor(engine, gov, restorer,
                                 working_set=ws, put=refs.put, background=True,  # write-back after the reply

@@ -16,7 +16,8 @@ engine's time over the arm's).
 `--spins` adds arms by the executor's OpenMP spin (`Tuning.executor_spin`) and `--busy K` runs K
 busy-looping processes beside every arm, as on a box with other work.
 
-    python -m bench.served_decode [--rounds 3] [--threads 0 1] [--spins 10000 0] [--busy 1] [--write docs/benchmarks.md]
+    python -m bench.served_decode [--rounds 3] [--threads 0 1] [--spins 10000 0] [--busy 1]
+                                  [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
