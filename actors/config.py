@@ -50,6 +50,12 @@ class Tuning:
             raise ValueError(f"lookup_draft must be >= 0, got {self.lookup_draft!r}")
 
 
+IN_PROCESS_SPIN = 10000
+"""The OpenMP spin `llmaas generate` and `chat` run with (`deploy.cli`): in one process it cost nothing
+on an idle box and made a 1.5K-token prompt prefill 2.1x and decode 5.2x as fast beside one busy
+process (docs/benchmarks.md, "Tuning at the edge")."""
+
+
 def openmp_env(tuning: Tuning) -> dict[str, str]:
     """The environment that gives the executor's process `tuning.executor_spin` (libgomp reads it as it
     loads, before torch runs): nothing when the spin is libgomp's default or the user's environment

@@ -162,3 +162,22 @@ def test_generate_with_lookup_decoding_prints_the_same_reply(engine, capsys):
         assert out == expected + "\n"
     code, out, err = run_here(capsys, "generate", "--prompt", "x", "--lookup-draft", "-1")
     assert code == 2 and "lookup_draft must be >= 0" in err
+
+
+def test_the_in_process_commands_set_a_short_openmp_spin_before_torch_loads():
+    """`generate` and `chat` run torch in this process: libgomp reads its spin as torch loads it, so
+    the CLI sets it first (and leaves a user's own setting alone)."""
+    import os
+    import subprocess
+    import sys
+
+    from actors.config import IN_PROCESS_SPIN
+
+    code = ("import os, sys; from deploy import cli; cli._openmp_spin(); "
+            "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(IN_PROCESS_SPIN), "False"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None", "False"]
