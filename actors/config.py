@@ -56,13 +56,13 @@ on an idle box and made a 1.5K-token prompt prefill 2.1x and decode 5.2x as fast
 process (docs/benchmarks.md, "Tuning at the edge")."""
 
 
-def openmp_env(tuning: Tuning) -> dict[str, str]:
-    """The environment that gives the executor's process `tuning.executor_spin` (libgomp reads it as it
-    loads, before torch runs): nothing when the spin is libgomp's default or the user's environment
-    already says how OpenMP threads wait."""
-    if not tuning.executor_spin or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
+def openmp_env(spin: int) -> dict[str, str]:
+    """The environment that gives a process an OpenMP spin of `spin` (`GOMP_SPINCOUNT`; libgomp reads it
+    as it loads, before torch runs): nothing when `spin` is 0 (libgomp's default) or the user's
+    environment already says how OpenMP threads wait."""
+    if not spin or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(os.environ):
         return {}
-    return {"GOMP_SPINCOUNT": str(tuning.executor_spin)}
+    return {"GOMP_SPINCOUNT": str(spin)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,9 +85,9 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
 
 
 def executor_env(tuning) -> dict | None:
-    """The executor's `runtime_env`: its OpenMP spin (`actors.config.openmp_env`), or None (the
-    environment of the process that starts it)."""
-    env = openmp_env(tuning)
+    """The executor's `runtime_env`: its OpenMP spin (`Tuning.executor_spin`, `actors.config.openmp_env`),
+    or None (the environment of the process that starts it)."""
+    env = openmp_env(tuning.executor_spin)
     return {"env_vars": env} if env else None
 
 

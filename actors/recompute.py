@@ -206,5 +206,3 @@ def warn_if_shm_small(nbytes: int) -> None:
             "/dev/shm has %.0f MB free, less than the working set (%.0f MB): lower "
             "max_context_tokens, or give the container more (docker --shm-size)",
             free / 1e6, nbytes / 1e6)
-
-

@@ -20,10 +20,10 @@ from pathlib import Path
 def _openmp_spin() -> None:
     """The in-process OpenMP spin (`actors.config.IN_PROCESS_SPIN`) into this process's environment,
     where libgomp reads it as torch loads it: so only before torch is imported."""
-    from actors.config import IN_PROCESS_SPIN, Tuning, openmp_env
+    from actors.config import IN_PROCESS_SPIN, openmp_env
 
     if "torch" not in sys.modules:
-        os.environ.update(openmp_env(Tuning(executor_spin=IN_PROCESS_SPIN)))
+        os.environ.update(openmp_env(IN_PROCESS_SPIN))
 
 
 def _engine(args):

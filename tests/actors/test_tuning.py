@@ -97,11 +97,11 @@ def test_the_executors_openmp_spin_is_set_unless_off_or_the_users_environment_sa
     for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)
     assert executor_env(Tuning(executor_spin=10000)) == {"env_vars": {"GOMP_SPINCOUNT": "10000"}}
-    assert openmp_env(Tuning(executor_spin=250)) == {"GOMP_SPINCOUNT": "250"}
-    assert openmp_env(Tuning()) == {} and executor_env(Tuning()) is None  # libgomp's default
+    assert openmp_env(250) == {"GOMP_SPINCOUNT": "250"}
+    assert openmp_env(0) == {} and executor_env(Tuning()) is None  # libgomp's default
     for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
         with monkeypatch.context() as m:
             m.setenv(name, "PASSIVE" if name == "OMP_WAIT_POLICY" else "1")
-            assert openmp_env(Tuning(executor_spin=10000)) == {}
+            assert openmp_env(10000) == {} and executor_env(Tuning(executor_spin=10000)) is None
     with pytest.raises(ValueError, match="executor_spin must be >= 0"):
         Tuning(executor_spin=-1)

@@ -1,5 +1,6 @@
 """Helpers for tests that hold a call open over real HTTP: a POST on a raw socket (the test decides when
-the connection goes away), reading it up to a marker (the gate), and polling for an end state."""
+the connection goes away), reading it up to a marker (the gate), and polling for an end state (which
+the other tests over HTTP use too)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ def busy(app: Client, ctx: str) -> bool:
     return app.context(ctx)["busy"]
 
 
-def wait_until(predicate, what: str, bound_s: float = 180.0) -> None:
+def wait_until(predicate, what: str, bound_s: float = 180.0, every_s: float = 0.02):
+    """`predicate()` once it is truthy, polled every `every_s` for at most `bound_s` (a generous bound on
+    an end state, never a bet on timing)."""
     deadline = time.monotonic() + bound_s
-    while not predicate():
+    while not (got := predicate()):
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
+        time.sleep(every_s)
+    return got
 
 
 def send(server, app: Client, path: str, body: dict) -> socket.socket:

@@ -18,6 +18,7 @@ import requests
 
 from deploy.client import Client
 from tests.deploy.conftest import free_port
+from tests.deploy.rawhttp import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,20 +74,10 @@ def query(url: str, expr: str) -> list:
     return r["data"]["result"]
 
 
-def wait_for(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_every_dashboard_query_returns_data(server, prometheus):
     roles = {"ingress", "executor", "governor", "io", "predictor"}
-    wait_for(lambda: roles <= {s["metric"]["role"] for s in query(prometheus, 'up{job="llmaas"} == 1')},
-             60, "Prometheus to scrape every role")  # the baseline: every series scraped once, at 0
+    wait_until(lambda: roles <= {s["metric"]["role"] for s in query(prometheus, 'up{job="llmaas"} == 1')},
+               "Prometheus to scrape every role", 60, every_s=0.5)  # the baseline: every series scraped once, at 0
     # a short workload: contexts that do not all fit the 2 MiB pool, so chunks are swapped and restored
     app = Client(server.url, Client(server.url, server.admin).bind("metrics-tests"))
     ctxs = [app.new_ctx("You are terse.") for _ in range(4)]
@@ -97,17 +88,18 @@ def test_every_dashboard_query_returns_data(server, prometheus):
     missing = requests.get(server.url + "/v1/contexts/" + "0" * 32, headers={"Authorization": f"Bearer {app.token}"})
     assert missing.status_code == 404
     # a scrape after the workload and the 404 (the calls alone may have been scraped before the 404)
-    wait_for(lambda: [s for s in query(prometheus, "sum(llmaas_calls_total) >= 8")], 30,
-             "a scrape after the workload")
-    wait_for(lambda: query(prometheus, 'llmaas_requests_total{code="404"} > 0'), 30, "a scrape after the 404")
+    wait_until(lambda: [s for s in query(prometheus, "sum(llmaas_calls_total) >= 8")], "a scrape after the workload",
+               30, every_s=0.5)
+    wait_until(lambda: query(prometheus, 'llmaas_requests_total{code="404"} > 0'), "a scrape after the 404", 30,
+               every_s=0.5)
 
     dash = json.loads((ROOT / "dashboards" / "llmaas.json").read_text())
     exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
     assert len(exprs) >= 10
     for title, expr in exprs:
         assert re.search(r"\bllmaas_\w+", expr), (title, expr)
-        result = wait_for(lambda e=expr: [s for s in query(prometheus, e) if not math.isnan(float(s["value"][1]))],
-                          15, f"data for {title!r}: {expr}")
+        result = wait_until(lambda e=expr: [s for s in query(prometheus, e) if not math.isnan(float(s["value"][1]))],
+                            f"data for {title!r}: {expr}", 15, every_s=0.5)
         assert result, (title, expr)
     # the series carry what the panels group by
     routes = {s["metric"]["route"] for s in query(prometheus, "llmaas_requests_total")}
