@@ -10,6 +10,13 @@ from engine.config import check_kv_format
 from engine.quant import WeightFormat
 
 
+OPENMP_SPIN = 10000
+"""The OpenMP spin (`GOMP_SPINCOUNT`) the model runs with: the executor's on Ray (`Tuning.executor_spin`)
+and `llmaas generate` and `chat`'s (`deploy.cli`). In one process it cost nothing on an idle box and
+made a 1.5K-token prompt prefill 2.1x and decode 5.2x as fast beside one busy process
+(docs/benchmarks.md, "Tuning at the edge")."""
+
+
 @dataclass(slots=True)
 class Tuning:
     """Optimisations that exist for speed alone, each switchable here (True: on). What each buys,
@@ -31,12 +38,12 @@ class Tuning:
     may run on (`os.sched_getaffinity`), since the recompute worker's core is idle while a call
     computes: on 2 cores a 1.5K-token prompt prefilled 1.85x and its reply decoded 1.56x as fast as on
     one thread (docs/benchmarks.md, "Tuning at the edge"); 1: one thread."""
-    executor_spin: int = 0
+    executor_spin: int = OPENMP_SPIN
     """On Ray: how long the executor's OpenMP threads spin at a barrier before they sleep
     (`GOMP_SPINCOUNT`, set in its process's environment unless `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` is
-    set already); 0: libgomp's default (300,000). For a box with other work: beside one busy process,
-    10000 decoded 4.7x and prefilled 2.3x as fast as the default (a waiting thread no longer keeps
-    the core its descheduled teammate needs), but on an idle box it prefilled 1.5x slower
+    set already); 0: libgomp's default (300,000). Beside one busy process 10000 decoded 4.7x and
+    prefilled 2.3x as fast as the default (a waiting thread no longer keeps the core its descheduled
+    teammate needs); on an idle box prefill and switches took as long and decode 2-8% longer
     (docs/benchmarks.md, "Tuning at the edge")."""
 
     def __post_init__(self) -> None:
@@ -48,12 +55,6 @@ class Tuning:
             raise ValueError(f"object_chunks must be >= 1, got {self.object_chunks!r}")
         if self.lookup_draft < 0:
             raise ValueError(f"lookup_draft must be >= 0, got {self.lookup_draft!r}")
-
-
-IN_PROCESS_SPIN = 10000
-"""The OpenMP spin `llmaas generate` and `chat` run with (`deploy.cli`): in one process it cost nothing
-on an idle box and made a 1.5K-token prompt prefill 2.1x and decode 5.2x as fast beside one busy
-process (docs/benchmarks.md, "Tuning at the edge")."""
 
 
 def openmp_env(spin: int) -> dict[str, str]:

@@ -53,7 +53,8 @@ def _actor(cls):
 def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: str = "llmaas",
              max_restarts: int = MAX_RESTARTS, executor_actor: type = ExecutorActor,
              io_actor: type = IOActor, recompute_actor: type = RecomputeActor) -> ContextService:
-    """Start the actors of one node (named `<prefix>-<role>`) and return the front over them. The
+    """Start the actors of one node (named `<prefix>-<role>`) and return the front over them once every
+    one has started (a first call does not share the cores with the query predictor's start). The
     working set is shared memory, so the executor and recompute worker compute on the CPU.
     `executor_actor`, `io_actor`, `recompute_actor`: those actors' bodies, the service's or
     subclasses (a test's, failing at a chosen step or holding a step until another began)."""
@@ -81,6 +82,7 @@ def wire_ray(config: ServiceConfig, *, model_path: str | None = None, prefix: st
         ray.get(gov.set_profile.remote(ray.get(executor.profile.remote(config.read_bytes_per_s))))
     predictor = _actor(PredictorActor).options(name=f"{prefix}-predictor", num_cpus=0, **common).remote(
         config, str(resolved.directory), key, prefix)
+    ray.get(predictor.__ray_ready__.remote())
     return _front(RayParts(io, gov, recompute, executor, predictor), model_name(resolved), config)
 
 

@@ -34,6 +34,7 @@ SWITCHES: dict[str, tuple[dict, str]] = {
     "streaming_stores": ({"tuning": {"streaming_stores": False}}, "any"),
     "object_chunks": ({"tuning": {"object_chunks": 1}}, "ray"),
     "executor_threads": ({"tuning": {"executor_threads": 1}}, "ray"),
+    "executor_spin": ({"tuning": {"executor_spin": 0}}, "ray"),
 }
 """Switch name -> (the `ServiceConfig` options that turn it off, where it acts: "ray" or "any")."""
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 
 def _openmp_spin() -> None:
-    """The in-process OpenMP spin (`actors.config.IN_PROCESS_SPIN`) into this process's environment,
+    """The in-process OpenMP spin (`actors.config.OPENMP_SPIN`) into this process's environment,
     where libgomp reads it as torch loads it: so only before torch is imported."""
-    from actors.config import IN_PROCESS_SPIN, openmp_env
+    from actors.config import OPENMP_SPIN, openmp_env
 
     if "torch" not in sys.modules:
-        os.environ.update(openmp_env(IN_PROCESS_SPIN))
+        os.environ.update(openmp_env(OPENMP_SPIN))
 
 
 def _engine(args):

@@ -171,13 +171,13 @@ def test_the_in_process_commands_set_a_short_openmp_spin_before_torch_loads():
     import subprocess
     import sys
 
-    from actors.config import IN_PROCESS_SPIN
+    from actors.config import OPENMP_SPIN
 
     code = ("import os, sys; from deploy import cli; cli._openmp_spin(); "
             "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [str(IN_PROCESS_SPIN), "False"]
+    assert out.stdout.split() == [str(OPENMP_SPIN), "False"]
     out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["None", "False"]
