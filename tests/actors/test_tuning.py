@@ -18,7 +18,7 @@ def test_tuning_defaults_to_everything_on():
     assert t.streaming_stores
     assert t.object_chunks == 16
     assert t.lookup_draft == 4
-    assert t.executor_spin == OPENMP_SPIN == 10000  # short: a busy box's calls 2-4x faster
+    assert t.executor_spin == OPENMP_SPIN == 10000  # short: a busy box's calls several times faster
 
 
 def test_tuning_from_a_mapping_takes_booleans_numbers_and_their_strings():
