@@ -117,6 +117,12 @@ def main(argv=None) -> int:
     return report(args, arms, res, pool, tokens, t0)
 
 
+def ray_arm(arm: str) -> tuple[int, int | None]:
+    """A Ray arm's executor threads and OpenMP spin (None: the default) from its name, `ray N [spin S]`."""
+    words = arm.split()
+    return int(words[1]), int(words[3]) if len(words) > 3 else None
+
+
 def run_arms(args, arms: list[str], engine, p1: str, p2: str, pool: int, t0: float) -> dict[str, list]:
     res: dict[str, list[list[dict]]] = {a: [] for a in arms}
     run_engine(engine, p1, p2, 8)  # warm-up
@@ -126,10 +132,9 @@ def run_arms(args, arms: list[str], engine, p1: str, p2: str, pool: int, t0: flo
                 if arm == "engine":
                     got = run_engine(engine, p1, p2, args.max_tokens)
                 else:
-                    words = arm.split()
-                    got = run_ray(int(words[1]), engine, p1, p2, args.max_tokens, pool,
-                                  str(Path(tmp) / f"{k}-{arm.replace(' ', '')}"),
-                                  spin=int(words[3]) if len(words) > 3 else None)
+                    threads, spin = ray_arm(arm)
+                    got = run_ray(threads, engine, p1, p2, args.max_tokens, pool,
+                                  str(Path(tmp) / f"{k}-{arm.replace(' ', '')}"), spin=spin)
                 res[arm].append(got)
                 print(f"round {k + 1} {arm}: decode {got[0]['decode']:.1f} / {got[1]['decode']:.1f} tok/s, "
                       f"prefill {got[0]['ttft_ms']:.0f} ms, switch {got[1]['switch_ms']:.0f} ms "
@@ -167,8 +172,9 @@ def report(args, arms: list[str], res: dict[str, list], pool: int, tokens: int, 
         decode = med(r[0]["decode"] / b[0]["decode"] for r, b in zip(rows, base))
         prefill = med(b[0]["ttft_ms"] / r[0]["ttft_ms"] for r, b in zip(rows, base))
         same = [sum(r[t]["ids"] == b[t]["ids"] for r, b in zip(rows, base)) for t in (0, 1)]
-        label = "engine (this process)" if arm == "engine" else f"Ray, executor threads {arm.split()[1]}" + (
-            f", spin {arm.split()[3]}" if len(arm.split()) > 3 else "")
+        threads, spin = ray_arm(arm) if arm != "engine" else (0, None)
+        label = "engine (this process)" if arm == "engine" else f"Ray, executor threads {threads}" + (
+            "" if spin is None else f", spin {spin}")
         lines.append(f"| {label} | {med(r[0]['decode'] for r in rows):.1f} | {decode:.2f}x | "
                      f"{med(r[0]['ttft_ms'] for r in rows):.0f} | {prefill:.2f}x | {med(r[1]['decode'] for r in rows):.1f} | "
                      f"{med(r[1]['switch_ms'] for r in rows):.1f} | {same[0]}, {same[1]} of {len(rows)} |")
