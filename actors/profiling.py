@@ -37,8 +37,9 @@ from storage.chunkstore import ChunkStore, ChunkStoreConfig
 #: 4: chunk records in one pack per write-back, read in large runs; 5: reads timed as the median of
 #: three after an untimed one, since the first read of a process on a fresh machine built the crc32
 #: kernel inside the timing and fitted T_io a 74 ms intercept, 7x every restore's time; 6: with bf16
-#: weights, recompute's attention on AMX tiles, engine/attention_amx.c)
-PROFILE_VERSION = 6
+#: weights, recompute's attention on AMX tiles; 7: and in AVX-512 BF16 dot products on CPUs without
+#: the tiles, engine/attention_bf16.c)
+PROFILE_VERSION = 7
 PROFILE_TOKENS = 1024
 RECOMPUTE_POINTS = (1, 2, 4, 8)
 IO_LEVELS = ("q2", "q4", "q8", "fp16", "raw")

@@ -1,11 +1,12 @@
 """Prefill with bf16 weights against the float32 engine, and what the bf16 path's speed switch buys:
-attention's products on AMX tiles (`EngineConfig.amx_attention`).
+attention's products in bfloat16, on AMX tiles or in AVX-512 BF16 dot products (`EngineConfig.bf16_attention`).
 
 One process, the default model loaded three times (float32; bf16; bf16 with the switch off), every
 round timing each variant's prefill (information density on, as the service runs it) at each prompt
 length, the variants in an order rotated from round to round; medians over the rounds, with the
 round-to-round spread (median absolute deviation). A switch is worth keeping where it buys more than
-twice that spread.
+twice that spread. With `--write`, the results replace this machine's kind's block
+(`bench.quantized.host_kind`).
 
     python -m bench.bf16_prefill [--rounds 6] [--lengths 512 2048] [--write docs/benchmarks.md]
 """
@@ -24,7 +25,7 @@ HEADING = "## Quantized weights"
 VARIANTS = {
     "fp32": {"weights": "fp32"},
     "bf16": {"weights": "bf16"},
-    "bf16, amx_attention off": {"weights": "bf16", "amx_attention": False},
+    "bf16, bf16_attention off": {"weights": "bf16", "bf16_attention": False},
 }
 
 
@@ -40,11 +41,11 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from bench.quantized import cpu_line
+    from bench.quantized import cpu_line, host_kind
     from bench.tuning import mad
     from engine.config import EngineConfig
     from engine.loader import resolve_model
-    from engine.model import Transformer
+    from engine.model import Transformer, bf16_attention_mode
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -69,10 +70,10 @@ def main(argv=None) -> int:
                         times[label, n].append(time.perf_counter() - t)
             print(f"round {r + 1}: " + ", ".join(f"{v} {times[v, n][-1] * 1e3:.0f} ms at {n}"
                                                 for v in labels for n in args.lengths if r >= 0), file=sys.stderr)
-    amx = models["bf16"].amx_attention
+    how = bf16_attention_mode() if models["bf16"].bf16_attention else "none"
     lines = [f"Command: `python -m bench.bf16_prefill --rounds {args.rounds} --lengths "
              f"{' '.join(map(str, args.lengths))}`. Date: {datetime.date.today()}. Machine: {cpu_line()}; "
-             f"{args.threads} threads; attention on AMX tiles {'available' if amx else 'not available'} here. "
+             f"{args.threads} threads; bf16 attention's products here: {how}. "
              f"One process, the variants rotated over {args.rounds} rounds; per prompt length the median prefill "
              f"time (information density on) and the round-to-round spread (median absolute deviation). "
              f"Run took {(time.perf_counter() - t0) / 60:.1f} min.", "",
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
                          f"(spread {spread * 1e3:.0f} ms): {'keep' if gain > 2 * spread else 'less than twice the spread'}.")
     from bench.markdown import publish
 
-    return publish("\n".join(lines), args.write, NAME, HEADING)
+    return publish("\n".join(lines), args.write, f"{NAME}:{host_kind()}", HEADING)
 
 
 if __name__ == "__main__":

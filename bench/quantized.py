@@ -13,6 +13,9 @@ Models: `default` (SmolLM2-135M-Instruct: its Q4_1 GGUF for the engine's fp32/bf
 GGUFs written from it for the like-for-like rows) and `1b` (Llama-3.2-1B's shape with SmolLM2's
 vocabulary, random weights written by `bench.model_files`).
 
+With `--write`, the results replace this machine's kind's block of the page (`host_kind`: one block per
+kind of CPU, e.g. `<!-- quantized:Xeon-AMX:begin -->`), so a run on one kind leaves the others' as they are.
+
     python -m bench.quantized [--models default 1b] [--rounds 3] [--threads 2] [--write docs/benchmarks.md]
 """
 
@@ -209,6 +212,21 @@ def cpu_line() -> str:
     return f"{model}; {', '.join(f'{k} {v}' for k, v in caches.items())}; {' '.join(isa)}"
 
 
+def host_kind() -> str:
+    """This CPU's kind as the results page's machine table names it, for the page's per-host blocks:
+    the model's family (Xeon, EPYC, ...) and its widest bfloat16 products: "Xeon-AMX",
+    "EPYC-AVX512", or the family alone."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.machine()
+    model = next((ln.split(":", 1)[1] for ln in text.splitlines() if ln.startswith("model name")), "")
+    words = model.split() or [platform.machine()]
+    family = next((w for w in ("Xeon", "EPYC", "Ryzen", "Core") if w in words), words[0])
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    return family + ("-AMX" if "amx_bf16" in flags else "-AVX512" if "avx512_bf16" in flags else "")
+
+
 def markdown(results: dict, args, seconds: float) -> str:
     lines = [f"Command: `python -m bench.quantized --models {' '.join(args.models)} --formats {' '.join(args.formats)} "
              f"--rounds {args.rounds} --repeats {args.repeats} --threads {args.threads} "
@@ -306,7 +324,7 @@ def main(argv=None) -> int:
                           for k, v in samples.items()}
     from bench.markdown import publish
 
-    return publish(markdown(results, args, time.perf_counter() - t0), args.write, NAME, HEADING)
+    return publish(markdown(results, args, time.perf_counter() - t0), args.write, f"{NAME}:{host_kind()}", HEADING)
 
 
 if __name__ == "__main__":

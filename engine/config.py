@@ -148,10 +148,11 @@ class EngineConfig:
     native_attention: bool = True
     """Prefill attention (with density) in the compiled kernel of `engine/attention.c` on CPU float32
     when it builds here; False keeps the torch blockwise kernel (the reference in tests)."""
-    amx_attention: bool = True
-    """With bf16 weights on a CPU with AMX tiles, prefill and recompute attention (16 rows or more) take
-    their two products, Q K^T and P V, in bfloat16 on the tiles (engine/attention_amx.c; softmax, sums
-    and density stay float32); False keeps them float32 (engine/attention.c)."""
+    bf16_attention: bool = True
+    """With bf16 weights on a CPU with bfloat16 products (AMX tiles, else AVX-512 BF16 dot products),
+    prefill and recompute attention (16 rows or more) take their two products, Q K^T and P V, in
+    bfloat16 (engine/attention_bf16.c; softmax, sums and density stay float32); False keeps them float32
+    (engine/attention.c)."""
     weight_prefetch_rows: int = WEIGHT_PREFETCH_ROWS
     """int4 and int8 products of few rows on the CPU (decode) ask for the weight's row this many rows
     ahead of the one they multiply to come into the cache (engine/qmatmul.c): int8 decode of the default

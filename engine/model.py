@@ -20,9 +20,9 @@ Attention of 16 or more rows on the CPU in float32 runs in the compiled kernel o
 (built at first use by `engine.native`; one fused pass per block of rows: scores, softmax, density
 column sums, P V, with blocks sized for the caches, on torch's own OpenMP threads), which prefills
 with density faster than the torch kernel (docs/benchmarks.md, "Engine speed"); fewer rows (decode)
-run its `attn_rows`. With bf16 weights on a CPU with AMX tiles, 16 rows or more run
-`engine/attention_amx.c` instead (its two products in bfloat16 on the tiles, softmax and density in
-float32). Elsewhere (CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
+run its `attn_rows`. With bf16 weights on a CPU with bfloat16 products (AMX tiles or AVX-512 BF16), 16
+rows or more run `engine/attention_bf16.c` instead (its two products in bfloat16, softmax and density
+in float32). Elsewhere (CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
 kernel `_attend` runs; all are tested against a naive full-matrix reference.
 """
 
@@ -59,7 +59,8 @@ MAX_BLOCK_ROWS = 64  # so shorter prompts get 64-row blocks too (the budget alon
 
 _NO_DELTAS: dict = {}  # a layer's adapter deltas without an adapter (read only; not made anew per layer)
 _ATTENTION: list = []  # [library or None]: engine/attention.c, built on first use
-_ATTENTION_AMX: list = []  # [library or None]: engine/attention_amx.c, built and granted the tiles on first use
+_ATTENTION_BF16: list = []  # [library or None, mode]: engine/attention_bf16.c, built on first use
+BF16_ATTENTION_MODES = ("none", "AVX-512 BF16 dot products", "AMX tiles")  # by attn_bf16_init's answer
 
 
 def declare_attention(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -86,21 +87,25 @@ def attention_kernel():
     return _ATTENTION[0]
 
 
-def amx_attention_kernel():
-    """engine/attention_amx.c with its signature declared, when it builds with the tile instructions here
-    and Linux grants this process the tile state; else None (this CPU or compiler has no AMX, or the
-    native kernels are off)."""
-    if not _ATTENTION_AMX:
-        lib = load_on_torch_team("attention_amx", Path(__file__).with_name("attention_amx.c"))
-        if lib is not None and attention_kernel() is None:  # it takes attn_forward's arguments and decode's kernel
-            lib = None
-        if lib is not None:
-            lib.attn_amx_ready.argtypes, lib.attn_amx_ready.restype = (), ctypes.c_int
-            lib.attn_forward_amx.argtypes = attention_kernel().attn_forward.argtypes
-            lib.attn_forward_amx.restype = ctypes.c_int
-            lib = lib if lib.attn_amx_ready() == 1 else None
-        _ATTENTION_AMX.append(lib)
-    return _ATTENTION_AMX[0]
+def bf16_attention_kernel():
+    """engine/attention_bf16.c with its signature declared, when it builds with AVX-512 BF16 here; else
+    None (no bfloat16 dot products in this CPU or compiler, or native kernels off). Its products run on
+    AMX tiles where the build has them and Linux grants this process the tile state (`bf16_attention_mode`)."""
+    if not _ATTENTION_BF16:
+        lib = load_on_torch_team("attention_bf16", Path(__file__).with_name("attention_bf16.c"))
+        mode = 0
+        if lib is not None and attention_kernel() is not None:  # it takes attn_forward's arguments
+            lib.attn_bf16_init.argtypes, lib.attn_bf16_init.restype = (ctypes.c_int,), ctypes.c_int
+            lib.attn_forward_bf16.argtypes, lib.attn_forward_bf16.restype = attention_kernel().attn_forward.argtypes, ctypes.c_int
+            mode = lib.attn_bf16_init(1)
+        _ATTENTION_BF16.extend((lib if mode else None, BF16_ATTENTION_MODES[mode]))
+    return _ATTENTION_BF16[0]
+
+
+def bf16_attention_mode() -> str:
+    """How `bf16_attention_kernel` multiplies here: "AMX tiles", "AVX-512 BF16 dot products" or "none"."""
+    bf16_attention_kernel()
+    return _ATTENTION_BF16[1]
 
 
 @dataclass(slots=True)
@@ -586,12 +591,13 @@ class Transformer:
                 and self.cfg.head_dim % 16 == 0 and self.cfg.head_dim <= 256 and attention_kernel() is not None)
 
     @property
-    def amx_attention(self) -> bool:
-        """Whether 16 rows or more take `attn_forward_amx` (engine/attention_amx.c: the two products in
-        bfloat16 on AMX tiles, softmax and density float32) instead of `attn_forward`: bf16 weights,
-        switched on (`EngineConfig.amx_attention`), head dim a multiple of 64, and the tiles usable here."""
-        return (self.engine_cfg.amx_attention and self.engine_cfg.weights == "bf16" and self.compiled_attention
-                and self.cfg.head_dim % 64 == 0 and amx_attention_kernel() is not None)
+    def bf16_attention(self) -> bool:
+        """Whether 16 rows or more take `attn_forward_bf16` (engine/attention_bf16.c: the two products in
+        bfloat16, on AMX tiles or in AVX-512 BF16 dot products, softmax and density float32) instead of
+        `attn_forward`: bf16 weights, switched on (`EngineConfig.bf16_attention`), head dim a multiple of
+        64, and the kernel usable here."""
+        return (self.engine_cfg.bf16_attention and self.engine_cfg.weights == "bf16" and self.compiled_attention
+                and self.cfg.head_dim % 64 == 0 and bf16_attention_kernel() is not None)
 
     def _attend_native(self, layer, q, pos, cache, density) -> torch.Tensor:
         """`_attend` in engine/attention.c: the same result up to float32 rounding (tested against the
@@ -604,8 +610,8 @@ class Transformer:
         lib = attention_kernel()
         many = n >= NATIVE_MIN_ROWS
         kernel = lib.attn_forward if many else lib.attn_rows
-        if many and cache.kv_format == "float" and self.amx_attention:
-            kernel = amx_attention_kernel().attn_forward_amx
+        if many and cache.kv_format == "float" and self.bf16_attention:
+            kernel = bf16_attention_kernel().attn_forward_bf16
         if cache.kv_format == "float":
             k, v = cache.k[layer], cache.v[layer]  # [Hkv, T, D]
         elif many:  # one layer de-quantized: attn_forward copies the keys (transposed) anyway

@@ -20,6 +20,7 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 SWITCHING_BLOCKS = ("bound", "one process:no read throttle", "one process:50 MB/s read throttle",
                     "Ray actors:no read throttle")
 TUNING_BLOCKS = ("Ray actors", "Ray actors, back to back")
+HOST_BLOCKS = ("Xeon-AMX", "EPYC-AVX512")  # bench.quantized and bench.bf16_prefill: a block per host kind
 
 
 def _writers() -> list[tuple[str, str, str]]:
@@ -27,13 +28,14 @@ def _writers() -> list[tuple[str, str, str]]:
     out = [(engine_speed.BEGIN, engine_speed.END, "## Engine speed"),
            (report.BEGIN, report.END, report.SECTION)]
     out += [(*report.SET_MARKERS[name], heading) for name, heading in report.SET_SECTIONS.items()]
-    out += [(*markers(m.NAME), m.HEADING) for m in (accuracy, restore_speed, decode_overhead, quantized, bf16_prefill,
+    out += [(*markers(m.NAME), m.HEADING) for m in (accuracy, restore_speed, decode_overhead,
                                                     rag, rag_blend, predictor_yield, decode_switches,
                                                     lookup_decode, served_decode)]
     # bench.switching names each block by what it ran: BEGIN with "begin" turned into "begin:<tail>"
     out += [(switching.BEGIN.replace("begin", f"begin:{tail}"), switching.END.replace("end", f"end:{tail}"),
              "## Context switching") for tail in SWITCHING_BLOCKS]
     out += [(*markers(f"{tuning.NAME}:{tail}"), tuning.HEADING) for tail in TUNING_BLOCKS]
+    out += [(*markers(f"{m.NAME}:{host}"), m.HEADING) for m in (quantized, bf16_prefill) for host in HOST_BLOCKS]
     return out
 
 

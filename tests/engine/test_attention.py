@@ -140,13 +140,14 @@ def test_prefill_and_decode_take_their_native_kernels(engine, monkeypatch):
     assert calls == ["attn_forward", "attn_rows", "attn_forward"]
 
 
-def _amx_or_skip():
+def _bf16_modes():
+    """(engine/attention_bf16.c, the ways it multiplies here: 1 dot products, 2 AMX tiles) or a skip."""
     import engine.model as em
 
-    lib = em.amx_attention_kernel()
+    lib = em.bf16_attention_kernel()
     if lib is None:
-        pytest.skip("no AMX tiles here (engine/attention_amx.c answers attn_amx_ready() == 0 off Intel AMX CPUs)")
-    return lib
+        pytest.skip("no AVX-512 BF16 here (engine/attention_bf16.c answers attn_bf16_init() == 0)")
+    return lib, [1, 2] if em.bf16_attention_mode() == "AMX tiles" else [1]
 
 
 @pytest.mark.parametrize(
@@ -161,14 +162,15 @@ def _amx_or_skip():
     ids=["prefill", "after-cache", "scattered", "ragged", "group7-d128"],
 )
 @pytest.mark.parametrize("threads", [1, 2])
-def test_amx_attention_stays_within_bfloat16_rounding(pos, hkv, group, d, threads):
-    """engine/attention_amx.c against the naive reference in float64: queries, keys, values and the
+def test_bf16_attention_stays_within_bfloat16_rounding(pos, hkv, group, d, threads):
+    """engine/attention_bf16.c, each way it can multiply here (AVX-512 BF16 dot products; AMX tiles
+    where the CPU has them), against the naive reference in float64: queries, keys, values and the
     probabilities enter its products rounded to bfloat16 (8-bit mantissa), so outputs are within a few
     parts in a thousand; the density (float32 softmax and sums) within a part in a hundred. The float32
     kernel on the same inputs is checked closer, so the bounds say what the bf16 rounding costs."""
     import engine.model as em
 
-    lib = _amx_or_skip()
+    lib, modes = _bf16_modes()
     gen = torch.Generator().manual_seed(2)
     s = int(pos[-1]) + 1
     keys = torch.randn(hkv, s + 3, d, generator=gen)  # 3 rows past the last position: never read
@@ -177,39 +179,49 @@ def test_amx_attention_stays_within_bfloat16_rounding(pos, hkv, group, d, thread
     scale = d ** -0.5
     ref_out, ref_col = naive_attend(q, pos, keys[:, :s], vals[:, :s], scale)
     got = {}
-    for name, fn in (("amx", lib.attn_forward_amx), ("float32", em.attention_kernel().attn_forward)):
-        out = torch.empty(len(pos), hkv * group * d)
-        density = torch.full((s + 8,), 0.5)
-        rc = fn(q.data_ptr(), hkv * group * d, pos.data_ptr(), len(pos), keys.data_ptr(), keys.stride(0),
-                vals.data_ptr(), vals.stride(0), hkv, group, d, scale, out.data_ptr(), out.stride(0),
-                density.data_ptr(), threads)
-        assert rc == 0
-        assert (density[s:] == 0.5).all()  # nothing past the last key
-        err = (out.double() - ref_out).norm() / ref_out.norm()
-        col = (density[:s].double() - 0.5 - ref_col).abs().max() / ref_col.abs().max()
-        got[name] = (float(err), float(col), float((out.double() - ref_out).abs().max()))
-    assert got["amx"][0] < 1e-2 and got["amx"][2] < 3e-2 and got["amx"][1] < 1e-2, got
-    assert got["float32"][0] < 1e-5 and got["float32"][0] < got["amx"][0] / 10, got
+    try:
+        for name, mode in [(f"bf16 {m}", m) for m in modes] + [("float32", 0)]:
+            fn = em.attention_kernel().attn_forward
+            if mode:
+                assert lib.attn_bf16_init(mode == 2) == mode
+                fn = lib.attn_forward_bf16
+            out = torch.empty(len(pos), hkv * group * d)
+            density = torch.full((s + 8,), 0.5)
+            rc = fn(q.data_ptr(), hkv * group * d, pos.data_ptr(), len(pos), keys.data_ptr(), keys.stride(0),
+                    vals.data_ptr(), vals.stride(0), hkv, group, d, scale, out.data_ptr(), out.stride(0),
+                    density.data_ptr(), threads)
+            assert rc == 0
+            assert (density[s:] == 0.5).all()  # nothing past the last key
+            err = (out.double() - ref_out).norm() / ref_out.norm()
+            col = (density[:s].double() - 0.5 - ref_col).abs().max() / ref_col.abs().max()
+            got[name] = (float(err), float(col), float((out.double() - ref_out).abs().max()))
+    finally:
+        lib.attn_bf16_init(1)  # the process's choice again: tiles where granted
+    for m in modes:
+        assert got[f"bf16 {m}"][0] < 1e-2 and got[f"bf16 {m}"][2] < 3e-2 and got[f"bf16 {m}"][1] < 1e-2, got
+        assert got["float32"][0] < 1e-5 and got["float32"][0] < got[f"bf16 {m}"][0] / 10, got
 
 
-def test_bf16_weights_prefill_on_the_tiles_where_the_cpu_has_them(engine, monkeypatch):
-    """A model of bf16 weights sends 16 rows or more to attn_forward_amx when AMX is usable here and to
-    attn_forward otherwise; decode rows stay on attn_rows; `amx_attention=False` switches it off."""
+def test_bf16_weights_prefill_in_bf16_attention_where_the_cpu_has_it(engine, monkeypatch):
+    """A model of bf16 weights sends 16 rows or more to attn_forward_bf16 when the CPU has bfloat16
+    products (AMX or AVX-512 BF16) and to attn_forward otherwise; decode rows stay on attn_rows;
+    `bf16_attention=False` switches it off."""
     import engine.model as em
     from engine.config import EngineConfig
 
     model = engine.model
-    amx = em.amx_attention_kernel()
+    bf16_lib = em.bf16_attention_kernel()
     calls = []
     monkeypatch.setattr(em, "_ATTENTION", [_Recorder(em.attention_kernel(), calls)])
-    monkeypatch.setattr(em, "_ATTENTION_AMX", [_Recorder(amx, calls) if amx is not None else None])
+    monkeypatch.setattr(em, "_ATTENTION_BF16", [_Recorder(bf16_lib, calls) if bf16_lib is not None else None,
+                                                em.bf16_attention_mode()])
     cache = model.new_cache(128)
     cache.reserve(100)
     q = torch.randn(64, model.cfg.n_heads, model.cfg.head_dim)
     for switch in (True, False):  # the engine's weights, read as the bf16 format's only for the dispatch
-        bf16 = em.Transformer(model.cfg, model.w, EngineConfig(device="cpu", weights="bf16", amx_attention=switch))
+        bf16 = em.Transformer(model.cfg, model.w, EngineConfig(device="cpu", weights="bf16", bf16_attention=switch))
         for rows, pos in [(64, torch.arange(64)), (1, torch.arange(99, 100))]:
             bf16._attend_native(0, q[:rows].contiguous(), pos, cache, None)
-    first = "attn_forward_amx" if amx is not None else "attn_forward"
+    first = "attn_forward_bf16" if bf16_lib is not None else "attn_forward"
     assert calls == [first, "attn_rows", "attn_forward", "attn_rows"]
-    assert not model.amx_attention  # float32 weights keep the float32 kernel
+    assert not model.bf16_attention  # float32 weights keep the float32 kernel

@@ -219,8 +219,8 @@ def test_tied_model_reads_its_embeddings_from_the_int8_head(formats):
 
 def test_perplexity_of_each_format_against_float32(formats, engine):
     """Perplexity on the benchmark suite's real text (three windows of 384 tokens of the Python
-    reference manual): bf16 within +0.5% of float32 (its products, attention's on AMX tiles where the
-    CPU has them, in bfloat16), int8 within +1%, int4 group 32 with the int8 head within +3%.
+    reference manual): bf16 within +0.5% of float32 (its products, attention's too where the CPU
+    has AMX or AVX-512 BF16, in bfloat16), int8 within +1%, int4 group 32 with the int8 head within +3%.
     int4 group 128 re-quantizes weights that are already 4-bit in groups of 32 (the default GGUF is
     Q4_1) onto a coarser grid: rounding each weight measured +41% (19.92 -> 28.13), GPTQ on
     calibration text (int4-g128-gptq, engine/gptq.py) +6.9% (21.29): within the +10% issue 27 asks

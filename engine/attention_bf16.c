@@ -1,20 +1,24 @@
-/* Causal grouped-query attention on AMX tiles: `attn_forward` of engine/attention.c (same arguments,
- * same work items, same column sums of the probabilities) with its two products, S = Q K^T and O = P V,
- * taken in bfloat16 with float32 accumulation on the CPU's tile unit. The softmax, the column sums (the
- * information density) and the 1/sum scaling stay float32; queries (scaled first), keys, values and
- * the probabilities are rounded to bfloat16 as they enter a product. For models whose weight products
- * already run in bfloat16 (the `bf16` weight format) on Intel CPUs with AMX (Sapphire Rapids on):
- * engine/model.py picks it for prefill and recompute; decode stays on attn_rows.
+/* Causal grouped-query attention with its two products, S = Q K^T and O = P V, in bfloat16 with float32
+ * accumulation: `attn_forward` of engine/attention.c (same arguments, same work items, same column sums
+ * of the probabilities). The softmax, the column sums (the information density) and the 1/sum scaling
+ * stay float32; queries (scaled first), keys, values and the probabilities are rounded to bfloat16 as
+ * they enter a product. For models whose weight products already run in bfloat16 (the `bf16` weight
+ * format): engine/model.py picks it for prefill and recompute; decode stays on attn_rows.
  *
- * Tiles: every tile is 16 rows of 64 bytes. S: a row tile of 16 query rows (bfloat16 [16, 32] per 32
- * dimensions) against four tiles of 16 keys (the keys packed per call so that a tile's row p holds
- * dimensions 2p and 2p+1 of each of its 16 keys, the pair layout TDPBF16PS reads), into four float32
- * [16, 16] results. O: a row tile of probabilities (bfloat16 [16, 32] per 32 keys) against four tiles
- * of values (packed so that row p holds keys 2p and 2p+1 of 16 columns), into four [16, 16] results.
+ * Two ways to multiply, the same packed operands and the same results up to float32 summation order:
+ * - AMX tiles (Intel, Sapphire Rapids on): every tile is 16 rows of 64 bytes. S: a row tile of 16 query
+ *   rows (bfloat16 [16, 32] per 32 dimensions) against four tiles of 16 keys, into four float32
+ *   [16, 16] results. O: a row tile of probabilities (bfloat16 [16, 32] per 32 keys) against four tiles
+ *   of values, into four [16, 16] results.
+ * - AVX-512 BF16 dot products (VDPBF16PS: AMD Zen 4 on, Intel Cooper Lake on) where the tiles are
+ *   absent: one 32-bit word of a row (two bfloat16) broadcast against one packed tile row (that pair
+ *   for 16 keys or 16 columns), four rows by four key or column tiles in sixteen accumulators.
+ * Packing: keys so that a tile's row p holds dimensions 2p and 2p+1 of each of its 16 keys (the pair
+ * layout both instructions read); values so that row p holds keys 2p and 2p+1 of 16 columns.
  *
- * Without AMX in the compiler's target (-march=native on another CPU) or without OpenMP (each thread of
- * the team loads the tile configuration), `attn_amx_ready` answers 0 and nothing else may be called.
- * Needs D % 64 == 0. It does not know what a model or a cache is.
+ * Without AVX-512 BF16 in the compiler's target (-march=native on another CPU) or without OpenMP (each
+ * thread of the team loads the tile configuration), `attn_bf16_init` answers 0 and nothing else may be
+ * called. Needs D % 64 == 0. It does not know what a model or a cache is.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -24,15 +28,18 @@
 
 typedef int64_t i64;
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(_OPENMP)
-#define HAVE_AMX 1
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(_OPENMP)
+#define HAVE_BF16 1
 #include <immintrin.h>
 #include <omp.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#endif
 
-#ifdef HAVE_AMX
+#ifdef HAVE_BF16
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -41,6 +48,9 @@ typedef int64_t i64;
 
 typedef uint16_t bf16;
 
+static int use_tiles; /* attn_bf16_init's choice: 1 AMX tiles, 0 dot products */
+
+#ifdef HAVE_AMX
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -57,6 +67,7 @@ static void configure_tiles(void) {
     }
     _tile_loadconfig(&cfg);
 }
+#endif
 
 /* 32 floats (two vectors) -> 32 bfloat16 in order, rounded to nearest even */
 static inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
@@ -120,33 +131,11 @@ typedef struct {
     i64 out_stride;
 } job_t;
 
-/* one item: KV head h, block of query rows (the dearest blocks, the last rows, first) */
-static void run_item(const job_t *jb, char *scratch, float *colsum, i64 item) {
-    const i64 d = jb->d, g = jb->group, sp = jb->s_pad;
-    const i64 blocks = (jb->n + jb->block - 1) / jb->block;
-    const i64 h = item % jb->hkv;
-    const i64 r0 = (blocks - 1 - item / jb->hkv) * jb->block;
-    const i64 b = jb->n - r0 < jb->block ? jb->n - r0 : jb->block;
-    const i64 m = b * g, mp = (m + TR - 1) / TR * TR;
-    bf16 *qb = (bf16 *)scratch;            /* [mp, D] */
-    bf16 *pb = qb + mp * d;                /* [mp, S_pad] probabilities */
-    float *s = (float *)(pb + mp * sp);    /* [mp, S_pad] scores */
-    float *acc = s + mp * sp;              /* [mp, D] */
-    const i64 *pos = jb->pos + r0;
-    const __m512 scale = _mm512_set1_ps(jb->scale);
-    for (i64 r = 0; r < mp; r++) {         /* the block's rows of the group's heads, scaled; zero padding */
-        bf16 *dst = qb + r * d;
-        if (r >= m) {
-            memset(dst, 0, (size_t)d * sizeof(bf16));
-            continue;
-        }
-        const float *src = jb->q + (r0 + r / g) * jb->q_stride + (h * g + r % g) * d;
-        for (i64 c = 0; c < d; c += 32)
-            _mm512_storeu_si512(dst + c, bf16x32(_mm512_mul_ps(_mm512_loadu_ps(src + c), scale),
-                                                 _mm512_mul_ps(_mm512_loadu_ps(src + c + 16), scale)));
-    }
-    const i64 dk = d / TK, dc = d / 16;
-    const bf16 *kh = jb->kp + h * (sp / 16) * dk * TR * 32, *vh = jb->vp + h * (sp / TK) * dc * TR * 32;
+#ifdef HAVE_AMX
+/* S, softmax and O of a work item's rows (qb: [mp, D], rows past m zero) on the tiles. */
+static void tile_products(const bf16 *qb, bf16 *pb, float *s, float *acc, const bf16 *kh, const bf16 *vh,
+                          const i64 *pos, i64 m, i64 g, i64 d, i64 sp, float *colsum) {
+    const i64 mp = (m + TR - 1) / TR * TR, dk = d / TK, dc = d / 16;
     /* four independent accumulators per product (tiles 0-3), so a tile's multiply-adds do not wait for
      * the one before; the row tile (4), and the key or value tiles (5, 6) alternating */
     for (i64 rt = 0; rt < mp; rt += TR) {
@@ -201,6 +190,93 @@ static void run_item(const job_t *jb, char *scratch, float *colsum, i64 item) {
             _tile_stored(3, ac + 48, d * sizeof(float));
         }
     }
+}
+#endif
+
+/* The same with AVX-512 BF16 dot products, RB rows at a time: each row's 32-bit words (two bfloat16)
+ * broadcast against packed tile rows, four key tiles (64 keys) or four column tiles (64 columns) a
+ * pass, so each pass keeps RB x 4 accumulators in registers. A group of rows sees the keys up to its
+ * own last row's (causal), in whole 64s. */
+#define RB 4
+static void dot_products(const bf16 *qb, bf16 *pb, float *s, float *acc, const bf16 *kh, const bf16 *vh,
+                         const i64 *pos, i64 m, i64 g, i64 d, i64 sp, float *colsum) {
+    const i64 words = d / 2, dc = d / 16;
+    const int32_t *kw = (const int32_t *)kh, *vw = (const int32_t *)vh;
+    for (i64 r = 0; r < m; r += RB) { /* rows r .. r+RB-1 < mp: past m they are zero */
+        const i64 last = r + RB - 1 < m ? r + RB - 1 : m - 1;
+        const i64 cols = (pos[last / g] + 1 + 63) / 64 * 64;
+        const int32_t *q = (const int32_t *)(qb + r * d);
+        for (i64 c = 0; c < cols; c += 64) { /* S: a key tile is [D/2 words][16 keys] */
+            const int32_t *kt = kw + (c / 16) * words * 16;
+            __m512 a[RB][4];
+            for (int i = 0; i < RB; i++)
+                for (int t = 0; t < 4; t++) a[i][t] = _mm512_setzero_ps();
+            for (i64 w = 0; w < words; w++) {
+                __m512bh k[4];
+                for (int t = 0; t < 4; t++) k[t] = (__m512bh)_mm512_loadu_si512(kt + (t * words + w) * 16);
+                for (int i = 0; i < RB; i++) {
+                    const __m512bh x = (__m512bh)_mm512_set1_epi32(q[i * words + w]);
+                    for (int t = 0; t < 4; t++) a[i][t] = _mm512_dpbf16_ps(a[i][t], x, k[t]);
+                }
+            }
+            for (int i = 0; i < RB; i++)
+                for (int t = 0; t < 4; t++) _mm512_storeu_ps(s + (r + i) * sp + c + 16 * t, a[i][t]);
+        }
+        for (i64 i = r; i < r + RB; i++) /* softmax, column sums, probabilities in bfloat16 */
+            softmax_row(s + i * sp, pb + i * sp, i < m ? pos[i / g] + 1 : 0, cols, i < m ? colsum : NULL);
+        for (i64 ct = 0; ct < dc; ct += 4) { /* O: a value tile is [16 key pairs][16 columns], per 32 keys */
+            __m512 o[RB][4];
+            for (int i = 0; i < RB; i++)
+                for (int t = 0; t < 4; t++) o[i][t] = _mm512_setzero_ps();
+            for (i64 kc = 0; kc < cols / TK; kc++) {
+                const int32_t *vt = vw + (kc * dc + ct) * TR * 16;
+                for (i64 pr = 0; pr < TR; pr++) {
+                    __m512bh v[4];
+                    for (int t = 0; t < 4; t++) v[t] = (__m512bh)_mm512_loadu_si512(vt + (t * TR + pr) * 16);
+                    for (int i = 0; i < RB; i++) {
+                        const __m512bh x = (__m512bh)_mm512_set1_epi32(((const int32_t *)(pb + (r + i) * sp))[kc * TR + pr]);
+                        for (int t = 0; t < 4; t++) o[i][t] = _mm512_dpbf16_ps(o[i][t], x, v[t]);
+                    }
+                }
+            }
+            for (int i = 0; i < RB; i++)
+                for (int t = 0; t < 4; t++) _mm512_storeu_ps(acc + (r + i) * d + (ct + t) * 16, o[i][t]);
+        }
+    }
+}
+
+/* one item: KV head h, block of query rows (the dearest blocks, the last rows, first) */
+static void run_item(const job_t *jb, char *scratch, float *colsum, i64 item) {
+    const i64 d = jb->d, g = jb->group, sp = jb->s_pad;
+    const i64 blocks = (jb->n + jb->block - 1) / jb->block;
+    const i64 h = item % jb->hkv;
+    const i64 r0 = (blocks - 1 - item / jb->hkv) * jb->block;
+    const i64 b = jb->n - r0 < jb->block ? jb->n - r0 : jb->block;
+    const i64 m = b * g, mp = (m + TR - 1) / TR * TR;
+    bf16 *qb = (bf16 *)scratch;            /* [mp, D] */
+    bf16 *pb = qb + mp * d;                /* [mp, S_pad] probabilities */
+    float *s = (float *)(pb + mp * sp);    /* [mp, S_pad] scores */
+    float *acc = s + mp * sp;              /* [mp, D] */
+    const i64 *pos = jb->pos + r0;
+    const __m512 scale = _mm512_set1_ps(jb->scale);
+    for (i64 r = 0; r < mp; r++) {         /* the block's rows of the group's heads, scaled; zero padding */
+        bf16 *dst = qb + r * d;
+        if (r >= m) {
+            memset(dst, 0, (size_t)d * sizeof(bf16));
+            continue;
+        }
+        const float *src = jb->q + (r0 + r / g) * jb->q_stride + (h * g + r % g) * d;
+        for (i64 c = 0; c < d; c += 32)
+            _mm512_storeu_si512(dst + c, bf16x32(_mm512_mul_ps(_mm512_loadu_ps(src + c), scale),
+                                                 _mm512_mul_ps(_mm512_loadu_ps(src + c + 16), scale)));
+    }
+    const bf16 *kh = jb->kp + h * (sp / 16) * d * 16, *vh = jb->vp + h * (sp / TK) * d * 32;
+#ifdef HAVE_AMX
+    if (use_tiles) {
+        tile_products(qb, pb, s, acc, kh, vh, pos, m, g, d, sp, colsum);
+    } else
+#endif
+        dot_products(qb, pb, s, acc, kh, vh, pos, m, g, d, sp, colsum);
     for (i64 r = 0; r < m; r++)
         memcpy(jb->out + (r0 + r / g) * jb->out_stride + (h * g + r % g) * d, acc + r * d, (size_t)d * sizeof(float));
 }
@@ -237,24 +313,33 @@ static void pack_values(bf16 *vp, const float *v, i64 v_head, i64 d, i64 s, i64 
     }
 }
 
-#endif /* HAVE_AMX */
+#endif /* HAVE_BF16 */
 
-/* 1 when this build has the tile instructions and the kernel asked the OS for the tile state (once per
- * process; Linux refuses the instructions to a process that has not). 0: do not call attn_forward_amx. */
-int attn_amx_ready(void) {
+/* Chooses how attn_forward_bf16 multiplies and says what it got: 2, AMX tiles (asked for with
+ * `tiles` != 0, this build has the tile instructions and Linux granted the process the tile state,
+ * which it refuses to a process that has not asked); 1, AVX-512 BF16 dot products; 0, neither in this
+ * build: do not call attn_forward_bf16. Call it before attn_forward_bf16, not while one runs. */
+int attn_bf16_init(int tiles) {
+#ifdef HAVE_BF16
 #ifdef HAVE_AMX
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    use_tiles = tiles && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 #else
+    (void)tiles;
+    use_tiles = 0;
+#endif
+    return use_tiles ? 2 : 1;
+#else
+    (void)tiles;
     return 0;
 #endif
 }
 
 /* Arguments as engine/attention.c's attn_forward. Returns 0, -1 when memory for the scratch cannot be
- * had, -2 when this build has no tiles or D is not a multiple of 64. */
-int attn_forward_amx(const float *q, i64 q_stride, const i64 *pos, i64 n, const float *k, i64 k_head,
-                     const float *v, i64 v_head, i64 hkv, i64 group, i64 d, float scale, float *out,
-                     i64 out_stride, float *density, int threads) {
-#ifdef HAVE_AMX
+ * had, -2 when this build has no AVX-512 BF16 or D is not a multiple of 64. */
+int attn_forward_bf16(const float *q, i64 q_stride, const i64 *pos, i64 n, const float *k, i64 k_head,
+                      const float *v, i64 v_head, i64 hkv, i64 group, i64 d, float scale, float *out,
+                      i64 out_stride, float *density, int threads) {
+#ifdef HAVE_BF16
     if (n <= 0) return 0;
     if (d % 64 != 0) return -2;
     const i64 s = pos[n - 1] + 1, sp = (s + 63) / 64 * 64;
@@ -287,7 +372,9 @@ int attn_forward_amx(const float *q, i64 q_stride, const i64 *pos, i64 n, const 
         for (i64 t = 0; t < value_tiles; t++) pack_values(vp, v, v_head, d, s, sp, t / (sp / TK), t % (sp / TK));
         const int id = omp_get_thread_num();
         float *cs = colsum ? colsum + (size_t)id * sp : NULL;
-        configure_tiles();
+#ifdef HAVE_AMX
+        if (use_tiles) configure_tiles();
+#endif
         for (;;) {
             i64 item;
 #pragma omp atomic capture
@@ -295,7 +382,9 @@ int attn_forward_amx(const float *q, i64 q_stride, const i64 *pos, i64 n, const 
             if (item >= items) break;
             run_item(&jb, scratch + per * (size_t)id, cs, item);
         }
-        _tile_release();
+#ifdef HAVE_AMX
+        if (use_tiles) _tile_release();
+#endif
     }
     if (density) {
         for (int t = 0; t < threads; t++) {
