@@ -34,7 +34,8 @@ def prefill_shape(model, kv_format: str) -> PrefillShape:
         act_bytes=a, kv8=kv8, native_attention=model.compiled_attention,
         kv_row_bytes=2 * cfg.n_kv_heads * (kvformat.row_bytes(cfg.head_dim) if kv8 else cfg.head_dim * a),
         qkv_weight_bytes=a * w.wqkv.n * w.wqkv.k if quantized else 0,
-        mlp_weight_bytes=a * max(w.w_gate_up.n * w.w_gate_up.k, w.w_down.n * w.w_down.k) if quantized else 0)
+        mlp_weight_bytes=a * max(w.w_gate_up.n * w.w_gate_up.k, w.w_down.n * w.w_down.k) if quantized else 0,
+        bf16_products=quantized and a == 4 and getattr(w.wqkv, "bf16_rows", False))
 
 
 def admit_prefill(shape: PrefillShape, new: int, cached: int, budget: int, streaming: bool = True) -> PrefillPlan:

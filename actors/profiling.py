@@ -38,7 +38,7 @@ from storage.chunkstore import ChunkStore, ChunkStoreConfig
 #: three after an untimed one, since the first read of a process on a fresh machine built the crc32
 #: kernel inside the timing and fitted T_io a 74 ms intercept, 7x every restore's time; 6: with bf16
 #: weights, recompute's attention on AMX tiles; 7: and in AVX-512 BF16 dot products on CPUs without
-#: the tiles, engine/attention_bf16.c)
+#: the tiles, engine/attention_bf16.c, and int4/int8 recompute's products in bfloat16 on CPUs with them)
 PROFILE_VERSION = 7
 PROFILE_TOKENS = 1024
 RECOMPUTE_POINTS = (1, 2, 4, 8)

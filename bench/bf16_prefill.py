@@ -1,11 +1,13 @@
-"""Prefill with bf16 weights against the float32 engine, and what the bf16 path's speed switch buys:
-attention's products in bfloat16, on AMX tiles or in AVX-512 BF16 dot products (`EngineConfig.bf16_attention`).
+"""Prefill in bfloat16 against the float32 engine, and what its speed switches buy: with bf16 weights,
+attention's products in bfloat16, on AMX tiles or in AVX-512 BF16 dot products
+(`EngineConfig.bf16_attention`); with int8 and int4 weights, products of many rows in bfloat16
+(`EngineConfig.quantized_prefill_bf16`, attention with them).
 
-One process, the default model loaded three times (float32; bf16; bf16 with the switch off), every
-round timing each variant's prefill (information density on, as the service runs it) at each prompt
-length, the variants in an order rotated from round to round; medians over the rounds, with the
-round-to-round spread (median absolute deviation). A switch is worth keeping where it buys more than
-twice that spread. With `--write`, the results replace this machine's kind's block
+One process, the default model loaded once per variant (float32; bf16 with the switch on and off;
+int8 and int4 with theirs on and off), every round timing each variant's prefill (information density
+on, as the service runs it) at each prompt length, the variants in an order rotated from round to
+round; medians over the rounds, with the round-to-round spread (median absolute deviation). A switch
+is worth keeping where it buys more than twice that spread. With `--write`, the results replace this machine's kind's block
 (`bench.quantized.host_kind`).
 
     python -m bench.bf16_prefill [--rounds 6] [--lengths 512 2048] [--write docs/benchmarks.md]
@@ -26,6 +28,10 @@ VARIANTS = {
     "fp32": {"weights": "fp32"},
     "bf16": {"weights": "bf16"},
     "bf16, bf16_attention off": {"weights": "bf16", "bf16_attention": False},
+    "int8": {"weights": "int8"},
+    "int8, quantized_prefill_bf16 off": {"weights": "int8", "quantized_prefill_bf16": False},
+    "int4": {"weights": "int4"},
+    "int4, quantized_prefill_bf16 off": {"weights": "int4", "quantized_prefill_bf16": False},
 }
 
 
@@ -46,6 +52,7 @@ def main(argv=None) -> int:
     from engine.config import EngineConfig
     from engine.loader import resolve_model
     from engine.model import Transformer, bf16_attention_mode
+    from engine.qlinear import bf16_products_here
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -73,7 +80,8 @@ def main(argv=None) -> int:
     how = bf16_attention_mode() if models["bf16"].bf16_attention else "none"
     lines = [f"Command: `python -m bench.bf16_prefill --rounds {args.rounds} --lengths "
              f"{' '.join(map(str, args.lengths))}`. Date: {datetime.date.today()}. Machine: {cpu_line()}; "
-             f"{args.threads} threads; bf16 attention's products here: {how}. "
+             f"{args.threads} threads; bfloat16 products in hardware: {'yes' if bf16_products_here() else 'no'}; "
+             f"bf16 attention's products: {how}. "
              f"One process, the variants rotated over {args.rounds} rounds; per prompt length the median prefill "
              f"time (information density on) and the round-to-round spread (median absolute deviation). "
              f"Run took {(time.perf_counter() - t0) / 60:.1f} min.", "",
@@ -85,11 +93,12 @@ def main(argv=None) -> int:
             f"{med[label, n] * 1e3:.0f} ({mad(times[label, n]) * 1e3:.0f}) | {med['fp32', n] / med[label, n]:.2f}x"
             for n in args.lengths) + " |")
     lines.append("")
-    for label in labels[2:]:
+    for label in (v for v in labels if ", " in v):  # "FORMAT, SWITCH off" against "FORMAT"
+        base = label.split(", ")[0]
         for n in args.lengths:
-            gain = med[label, n] - med["bf16", n]
-            spread = max(mad(times[label, n]), mad(times["bf16", n]))
-            lines.append(f"- {label.split(', ')[1]} at {n} tokens: the switch buys {gain * 1e3:.0f} ms "
+            gain = med[label, n] - med[base, n]
+            spread = max(mad(times[label, n]), mad(times[base, n]))
+            lines.append(f"- {base}: {label.split(', ')[1]} at {n} tokens: the switch buys {gain * 1e3:.0f} ms "
                          f"(spread {spread * 1e3:.0f} ms): {'keep' if gain > 2 * spread else 'less than twice the spread'}.")
     from bench.markdown import publish
 

@@ -145,6 +145,11 @@ class EngineConfig:
     int8_activations: bool = True
     """int4 weights: products of few rows (decode) quantize the rows to int8 per 32 inputs and
     multiply in integers where AVX-512 VNNI is compiled (engine/qmatmul.c); False: float rows."""
+    quantized_prefill_bf16: bool = True
+    """int4 and int8 weights on the CPU: products of more rows than decode's (prefill, recompute)
+    de-quantize the weight to bfloat16 and multiply in bfloat16 (float32 accumulation, result back in
+    float32) where the CPU multiplies bfloat16 itself (AVX-512 BF16, AMX; engine/qlinear.py); False,
+    or elsewhere: de-quantized to float32 (docs/benchmarks.md, "Tuning at the edge")."""
     native_attention: bool = True
     """Prefill attention (with density) in the compiled kernel of `engine/attention.c` on CPU float32
     when it builds here; False keeps the torch blockwise kernel (the reference in tests)."""

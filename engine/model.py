@@ -88,9 +88,8 @@ def attention_kernel():
 
 
 def bf16_attention_kernel():
-    """engine/attention_bf16.c with its signature declared, when it builds with AVX-512 BF16 here; else
-    None (no bfloat16 dot products in this CPU or compiler, or native kernels off). Its products run on
-    AMX tiles where the build has them and Linux grants this process the tile state (`bf16_attention_mode`)."""
+    """engine/attention_bf16.c with its signature declared where it builds with AVX-512 BF16, else None; on AMX
+    tiles where the build has them and Linux grants this process the tile state (`bf16_attention_mode`)."""
     if not _ATTENTION_BF16:
         lib = load_on_torch_team("attention_bf16", Path(__file__).with_name("attention_bf16.c"))
         mode = 0
@@ -140,12 +139,12 @@ class RecomputeJob:
 
 def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
                  fmt: WeightFormat | None = None, *, int8_activations: bool = True, copy: bool = False,
-                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS) -> Weights:
+                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS, bf16_rows: bool = False) -> Weights:
     """Build engine weights from engine-layout arrays (float ones from `fuse_hf`, or a weight format's
     from engine.weightcache). On the CPU nothing already in its compute type is copied: the tensors
     view the arrays (a read-only mmap shares its pages with every process on the node). bf16 weights
-    stay bf16 under a float32 compute dtype; the embedding table stays in its stored type. `copy`:
-    quantized (int4, int8) weights are copied into this process's memory (`EngineConfig.copy_weights`)."""
+    stay bf16 under a float32 compute dtype; the embedding table stays in its stored type. `copy`, `bf16_rows`:
+    `EngineConfig.copy_weights`, `EngineConfig.quantized_prefill_bf16` for quantized (int4, int8) weights."""
     fmt = fmt or WeightFormat()
     own = (lambda a: torch.from_numpy(copy_out(a))) if copy else (lambda a: a)
 
@@ -167,10 +166,10 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
         if name + ".min" in arrays:
             return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), own(arrays[name + ".min"]), fmt.group,
                               bias=b, device=device, int8_activations=int8_activations,
-                              device_pack=dtype == torch.bfloat16, prefetch_rows=prefetch_rows)
+                              device_pack=dtype == torch.bfloat16, prefetch_rows=prefetch_rows, bf16_rows=bf16_rows)
         if name + ".q" in arrays:
             return Int8Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), bias=b, device=device,
-                              prefetch_rows=prefetch_rows)
+                              prefetch_rows=prefetch_rows, bf16_rows=bf16_rows)
         w = stored(name)
         if w is None:
             raise KeyError(f"weights lack {name!r}")
@@ -303,7 +302,7 @@ class Transformer:
         weights = load_weights(arrays, cfg, device, dtype, fmt, int8_activations=engine_cfg.int8_activations,
                                copy=engine_cfg.copy_weights and device.type == "cpu"
                                and engine_cfg.weights_resident_bytes is None,  # streamed weights stay mapped
-                               prefetch_rows=engine_cfg.weight_prefetch_rows)
+                               prefetch_rows=engine_cfg.weight_prefetch_rows, bf16_rows=engine_cfg.quantized_prefill_bf16)
         model = cls(cfg, weights, engine_cfg)
         model.fingerprint = fingerprint or ""
         if engine_cfg.weights_resident_bytes is not None:
@@ -594,9 +593,10 @@ class Transformer:
     def bf16_attention(self) -> bool:
         """Whether 16 rows or more take `attn_forward_bf16` (engine/attention_bf16.c: the two products in
         bfloat16, on AMX tiles or in AVX-512 BF16 dot products, softmax and density float32) instead of
-        `attn_forward`: bf16 weights, switched on (`EngineConfig.bf16_attention`), head dim a multiple of
-        64, and the kernel usable here."""
-        return (self.engine_cfg.bf16_attention and self.engine_cfg.weights == "bf16" and self.compiled_attention
+        `attn_forward`: the other products of many rows in bfloat16 too (bf16 weights, or quantized ones
+        under `quantized_prefill_bf16`), switched on (`EngineConfig.bf16_attention`), head dim a multiple of 64."""
+        bf16 = self.engine_cfg.weights == "bf16" or getattr(self.w.layers[0].wqkv, "bf16_rows", False)
+        return (self.engine_cfg.bf16_attention and bf16 and self.compiled_attention
                 and self.cfg.head_dim % 64 == 0 and bf16_attention_kernel() is not None)
 
     def _attend_native(self, layer, q, pos, cache, density) -> torch.Tensor:

@@ -12,7 +12,9 @@ is given its stored arrays (memory-mapped where the loader mapped them) and comp
   32 inputs where AVX-512 VNNI is compiled (`EngineConfig.int8_activations`). torch's own
   `_weight_int8pack_mm` took 161 us for a 960x576 weight at one row against 20 us here, and its int4
   CPU op was slower still at hundreds of rows (docs/benchmarks.md, "Quantized weights"). More rows
-  (prefill, recompute) de-quantize the weight and run one float GEMM.
+  (prefill, recompute) de-quantize the weight and run one GEMM: in bfloat16 (rows cast, result back
+  in float32, as a bf16 weight's) where the CPU multiplies bfloat16 itself (`bf16_products_here`:
+  AVX-512 BF16 or AMX; `EngineConfig.quantized_prefill_bf16`), else in float32.
 - On CUDA under a bfloat16 compute dtype, int4 weights are packed once at load for torch's
   `_weight_int4pack_mm` (sm80 and later; group 32-256): on an H100, 13-28 us for a one-row product
   of Llama-3.2-1B's MLP shapes against 206-214 us de-quantizing per product, 1.13x slower at 512
@@ -42,6 +44,21 @@ from engine.threads import load_on_torch_team
 from engine.quant import BLOCK, groups_of
 
 _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
+_BF16_PRODUCTS: list = []  # [bool]: bf16_products_here's answer, read once
+
+
+def bf16_products_here() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (Linux's flags `avx512_bf16` or `amx_bf16`), so
+    a bfloat16 GEMM runs about 2x (AVX-512 BF16) to 7x (AMX) a float32 one; elsewhere oneDNN converts and
+    gains nothing. False where /proc/cpuinfo cannot be read."""
+    if not _BF16_PRODUCTS:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+        except OSError:
+            flags = []
+        _BF16_PRODUCTS.append("avx512_bf16" in flags or "amx_bf16" in flags)
+    return _BF16_PRODUCTS[0]
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -143,9 +160,9 @@ class _QuantLinear(Linear):
     """Shared dispatch of the quantized formats: few float32 rows on the CPU to the compiled product,
     the rest through a de-quantized weight."""
 
-    __slots__ = ("lib", "threads_fn", "max_rows", "prefetch_rows")
+    __slots__ = ("lib", "threads_fn", "max_rows", "prefetch_rows", "bf16_rows")
 
-    def _setup(self, device: torch.device, bias, prefetch_rows: int) -> None:
+    def _setup(self, device: torch.device, bias, prefetch_rows: int, bf16_rows: bool) -> None:
         if prefetch_rows < 0:
             raise ValueError(f"prefetch_rows must be >= 0, not {prefetch_rows}")
         self.bias = bias
@@ -153,6 +170,8 @@ class _QuantLinear(Linear):
         self.lib = kernels() if device.type == "cpu" else None
         self.threads_fn = torch.get_num_threads
         self.max_rows = self.lib.qm_max_rows() if self.lib is not None else 0  # rows the compiled product takes
+        # more float32 rows than that: a bfloat16 GEMM where the CPU has one
+        self.bf16_rows = bool(bf16_rows and self.lib is not None and bf16_products_here())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -163,7 +182,7 @@ class _QuantLinear(Linear):
             y = torch.empty(m, self.n, dtype=torch.float32)
             self._product(x, y, accumulate=False)
         else:
-            y = F.linear(x, self.dequantized(x.dtype))
+            y = self._many(x)
         return y if self.bias is None else y.add_(self.bias)
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +191,15 @@ class _QuantLinear(Linear):
         if x.dtype == torch.float32 and x.shape[0] <= self.max_rows and out.stride(-1) == 1:
             self._product(x if x.stride(-1) == 1 else x.contiguous(), out, accumulate=True)
             return out
+        if x.dtype == torch.float32 and self.bf16_rows:
+            return out.add_(self._many(x))
         return out.addmm_(x, self.dequantized(x.dtype).t())
+
+    def _many(self, x: torch.Tensor) -> torch.Tensor:
+        """`x W^T` for more rows than the compiled product takes: the weight de-quantized, one GEMM."""
+        if x.dtype == torch.float32 and self.bf16_rows:
+            return F.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16)).to(torch.float32)
+        return F.linear(x, self.dequantized(x.dtype))
 
     def _product(self, x: torch.Tensor, y: torch.Tensor, *, accumulate: bool) -> None:
         """The compiled product (CPU, float32 rows): `y = x W^T`, or `y += x W^T`."""
@@ -195,7 +222,7 @@ class Int4Linear(_QuantLinear):
 
     def __init__(self, q, scale, mins, group: int, *, bias=None, device=torch.device("cpu"),
                  int8_activations: bool = True, device_pack: bool = False,
-                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS) -> None:
+                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS, bf16_rows: bool = False) -> None:
         device = torch.device(device)
         self.q, self.scale, self.mins = _tensor(q), _tensor(scale), _tensor(mins)  # uint8 [n, k/2], fp16 [n, G] x2
         self.group = group
@@ -209,7 +236,7 @@ class Int4Linear(_QuantLinear):
             self._pack_for(device)
         if self.packed is None:
             self.q, self.scale, self.mins = self.q.to(device), self.scale.to(device), self.mins.to(device)
-        self._setup(device, bias, prefetch_rows)
+        self._setup(device, bias, prefetch_rows, bf16_rows)
         self.int8_activations = bool(int8_activations and self.lib is not None and self.lib.qm_int8_activations())
 
     def _pack_for(self, device: torch.device) -> None:
@@ -278,13 +305,14 @@ class Int8Linear(_QuantLinear):
 
     __slots__ = ("q", "scale")
 
-    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu"), prefetch_rows: int = WEIGHT_PREFETCH_ROWS) -> None:
+    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu"), prefetch_rows: int = WEIGHT_PREFETCH_ROWS,
+                 bf16_rows: bool = False) -> None:
         self.q = _tensor(q).to(device)  # [n, k] int8
         self.scale = _tensor(scale).to(device)  # [n] float32
         self.n, self.k = self.q.shape
         if self.scale.shape != (self.n,):
             raise ValueError(f"int8 scales of shape {tuple(self.scale.shape)} for a [{self.n}, {self.k}] weight")
-        self._setup(torch.device(device), bias, prefetch_rows)
+        self._setup(torch.device(device), bias, prefetch_rows, bf16_rows)
 
     def _product(self, x, y, *, accumulate):
         rc = self.lib.q8_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.q.data_ptr(),

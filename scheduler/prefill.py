@@ -99,6 +99,9 @@ class PrefillShape:
     """Bytes of the fused Q/K/V weight de-quantized for a product of many rows (0 for float weights)."""
     mlp_weight_bytes: int = 0
     """The same for the largest MLP weight (gate and up fused, or down)."""
+    bf16_products: bool = False
+    """Those products run in bfloat16 (engine/qlinear.py, `EngineConfig.quantized_prefill_bf16`): the
+    weight de-quantized to bfloat16, the rows cast to it, the result cast back to the compute dtype."""
     native_attention: bool = False
     """Attention runs in engine/attention.c (its scratch instead of the torch kernel's scores)."""
     kv8: bool = False
@@ -193,7 +196,10 @@ def estimate_steps(shape: PrefillShape, rows: int, cached: int) -> list[StepEsti
     qk = a * p * (hq + hkv) * d
     retained_qkv = x + h + qkv + rope + qk
     many = p > 8  # products of more rows de-quantize a quantized weight (engine/qlinear.py)
-    peak_qkv = max(retained_qkv, x + h + qkv + (shape.qkv_weight_bytes if many else 0))  # freed before rope
+    bf16 = many and shape.bf16_products  # then the weight, the rows and the result also in bfloat16
+    qkv_product = (max(2 * shape.qkv_width * shape.hidden + 2 * p * (shape.hidden + shape.qkv_width),
+                       2 * p * shape.qkv_width + qkv) if bf16 else qkv + (shape.qkv_weight_bytes if many else 0))
+    peak_qkv = max(retained_qkv, x + h + qkv_product)  # freed before rope
     if shape.kv8:  # packing the new rows: two float32 temporaries of the keys' (or values') size
         peak_qkv = max(peak_qkv, retained_qkv + 8 * hkv * p * d)
     out = a * p * hq * d
@@ -214,6 +220,10 @@ def estimate_steps(shape: PrefillShape, rows: int, cached: int) -> list[StepEsti
     retained_attention = retained_qkv + out
     gate_up = 2 * a * p * shape.intermediate
     peak_mlp = retained_attention + gate_up + (shape.mlp_weight_bytes if many else 0)
+    if bf16:  # bfloat16 weight, rows and result of the gate/up product; then of the down product beside gate_up
+        i, hd = shape.intermediate, shape.hidden
+        peak_mlp = retained_attention + max(4 * i * hd + 2 * p * (hd + 2 * i), 2 * p * 2 * i + gate_up,
+                                            gate_up + 2 * i * hd + 2 * p * (i + hd))
     return [StepEstimate("qkv", peak_qkv, retained_qkv),
             StepEstimate("attention", peak_attention, retained_attention),
             StepEstimate("mlp", peak_mlp, x)]

@@ -31,11 +31,13 @@ def test_the_tracker_counts_new_storages_until_they_are_freed():
                                                                  ("none", 1024, 0)]
 
 
-@pytest.mark.parametrize("weights, dtype, kv_format", [("fp32", "float32", "float"), ("int4", "float32", "kv8"),
-                                                       ("fp32", "bfloat16", "float")])
-def test_the_estimate_of_each_step_matches_the_tracked_tensors(resolved_model, weights, dtype, kv_format):
+@pytest.mark.parametrize("weights, dtype, kv_format, bf16_products", [
+    ("fp32", "float32", "float", True), ("int4", "float32", "kv8", True), ("fp32", "bfloat16", "float", True),
+    ("int4", "float32", "kv8", False)])  # int4's prefill products in bfloat16 where the CPU has them, and not
+def test_the_estimate_of_each_step_matches_the_tracked_tensors(resolved_model, weights, dtype, kv_format, bf16_products):
     model = Transformer.from_directory(resolved_model.directory,
-                                       EngineConfig(weights=weights, dtype=dtype, native_attention=False),
+                                       EngineConfig(weights=weights, dtype=dtype, native_attention=False,
+                                                    quantized_prefill_bf16=bf16_products),
                                        fingerprint=resolved_model.fingerprint)
     shape = prefill_shape(model, kv_format)  # what the service admits prefills with
     # both shapes in float32; half precision changes element sizes only, and its CPU matmuls are slow

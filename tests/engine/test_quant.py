@@ -217,6 +217,32 @@ def test_tied_model_reads_its_embeddings_from_the_int8_head(formats):
     assert float((got - ref).abs().max()) <= float(ref.abs().max()) / 100
 
 
+def test_many_rows_multiply_in_bfloat16_where_the_cpu_does(formats, resolved_model):
+    """`quantized_prefill_bf16` (on by default): int4 and int8 products of more rows than decode's
+    multiply in bfloat16 where the CPU does so itself (AVX-512 BF16, AMX), within bfloat16 rounding of
+    the float product; switched off, or on other CPUs, float32. Attention then goes bfloat16 too. What
+    it does to perplexity: test_perplexity_of_each_format_against_float32."""
+    from engine.config import EngineConfig
+    from engine.model import Transformer, bf16_attention_kernel
+    from engine.qlinear import bf16_products_here
+
+    off = Transformer.from_directory(resolved_model.directory, EngineConfig(device="cpu", weights="int4",
+                                                                            quantized_prefill_bf16=False),
+                                     fingerprint=resolved_model.fingerprint)
+    here = bf16_products_here() and kernels() is not None
+    for m, bf16 in ((formats["int4"], here), (off, False)):
+        assert m.bf16_attention == (bf16 and bf16_attention_kernel() is not None)
+        for lin in (m.w.layers[0].w_gate_up, m.w.lm_head):  # int4, and the int8 head
+            assert lin.bf16_rows == bf16
+            x = torch.randn(64, lin.k)
+            want = x.double() @ lin.dequantized().double().t()
+            out = torch.randn(64, lin.n)
+            added = lin.add_into(out.clone(), x).double() - out.double()
+            for got in (lin(x).double(), added):
+                err = float((got - want).norm() / want.norm())
+                assert (1e-4 < err < 1e-2) if bf16 else err < 1e-5, (type(lin).__name__, bf16, err)
+
+
 def test_perplexity_of_each_format_against_float32(formats, engine):
     """Perplexity on the benchmark suite's real text (three windows of 384 tokens of the Python
     reference manual): bf16 within +0.5% of float32 (its products, attention's too where the CPU
