@@ -57,6 +57,7 @@ def test_int4_products_match_the_dequantized_float_product(n, k, group, native):
     if not native:
         lin.lib = None
     assert torch.equal(lin.dequantized(), ref)
+    assert torch.equal(lin.dequantized(torch.bfloat16), ref.bfloat16())  # rounded to nearest even, as torch
     for rows in (1, 3, 8, 9, 64):
         x = torch.randn(rows, k)
         want = x @ ref.t() + bias
@@ -130,6 +131,7 @@ def test_int8_products_and_rows_match_the_dequantized_float_product(native):
         assert torch.allclose(lin(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), rows
     ids = torch.tensor([0, 7, 299, 7])
     assert torch.equal(lin.rows(ids, torch.float32), ref[ids])
+    assert torch.equal(lin.dequantized(torch.bfloat16), ref.bfloat16())
 
 
 def test_quantized_products_error_on_a_random_model_of_the_default_shapes():
