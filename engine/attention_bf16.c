@@ -2,8 +2,9 @@
  * accumulation: `attn_forward` of engine/attention.c (same arguments, same work items, same column sums
  * of the probabilities). The softmax, the column sums (the information density) and the 1/sum scaling
  * stay float32; queries (scaled first), keys, values and the probabilities are rounded to bfloat16 as
- * they enter a product. For models whose weight products already run in bfloat16 (the `bf16` weight
- * format): engine/model.py picks it for prefill and recompute; decode stays on attn_rows.
+ * they enter a product. For models whose weight products of many rows already run in bfloat16 (the
+ * `bf16` weight format; int4 and int8 under `EngineConfig.quantized_prefill_bf16`): engine/model.py
+ * picks it for prefill and recompute; decode stays on attn_rows.
  *
  * Two ways to multiply, the same packed operands and the same results up to float32 summation order:
  * - AMX tiles (Intel, Sapphire Rapids on): every tile is 16 rows of 64 bytes. S: a row tile of 16 query
