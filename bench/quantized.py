@@ -217,7 +217,7 @@ def host_kind() -> str:
     the model's family (Xeon, EPYC, ...) and its widest bfloat16 products: "Xeon-AMX",
     "EPYC-AVX512", or the family alone."""
     try:
-        text = open("/proc/cpuinfo").read()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.machine()
     model = next((ln.split(":", 1)[1] for ln in text.splitlines() if ln.startswith("model name")), "")

@@ -154,7 +154,8 @@ class EngineConfig:
     """Prefill attention (with density) in the compiled kernel of `engine/attention.c` on CPU float32
     when it builds here; False keeps the torch blockwise kernel (the reference in tests)."""
     bf16_attention: bool = True
-    """With bf16 weights on a CPU with bfloat16 products (AMX tiles, else AVX-512 BF16 dot products),
+    """With bf16 weights (or int4/int8 under `quantized_prefill_bf16`) on a CPU with bfloat16 products (AMX
+    tiles, else AVX-512 BF16 dot products),
     prefill and recompute attention (16 rows or more) take their two products, Q K^T and P V, in
     bfloat16 (engine/attention_bf16.c; softmax, sums and density stay float32); False keeps them float32
     (engine/attention.c)."""
