@@ -193,13 +193,20 @@ def run_worker(args: list[str], repeats: int, decode: int, threads: int, lengths
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def cpu_line() -> str:
-    model, caches = platform.processor() or platform.machine(), {}
+def _cpu_model_and_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags from /proc/cpuinfo (the platform's name and none without it)."""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine(), set()
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
+    return model, set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+
+
+def cpu_line() -> str:
+    model, flags = _cpu_model_and_flags()
+    caches = {}
+    try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         for line in out.splitlines():
             k, _, v = line.partition(":")
@@ -207,8 +214,7 @@ def cpu_line() -> str:
                 caches[k.strip().split()[0]] = v.strip()
     except OSError:
         pass
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni", "avx2") if f" {f}" in flags]
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni", "avx2") if f in flags]
     return f"{model}; {', '.join(f'{k} {v}' for k, v in caches.items())}; {' '.join(isa)}"
 
 
@@ -216,14 +222,9 @@ def host_kind() -> str:
     """This CPU's kind as the results page's machine table names it, for the page's per-host blocks:
     the model's family (Xeon, EPYC, ...) and its widest bfloat16 products: "Xeon-AMX",
     "EPYC-AVX512", or the family alone."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    model = next((ln.split(":", 1)[1] for ln in text.splitlines() if ln.startswith("model name")), "")
+    model, flags = _cpu_model_and_flags()
     words = model.split() or [platform.machine()]
     family = next((w for w in ("Xeon", "EPYC", "Ryzen", "Core") if w in words), words[0])
-    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
     return family + ("-AMX" if "amx_bf16" in flags else "-AVX512" if "avx512_bf16" in flags else "")
 
 
