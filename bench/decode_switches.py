@@ -7,9 +7,10 @@ its greedy decode, the variants in an order rotated from round to round; medians
 with the round-to-round spread (median absolute deviation). A switch is worth keeping where it buys
 more than twice that spread (the project's rule for speed-only optimisations).
 
-The switch: `weight_prefetch_rows` (the int4 and int8 products of engine/qmatmul.c prefetching the
-weight's rows ahead; acts on quantized formats only). A compiled RMSNorm was measured here and deleted
-(docs/benchmarks.md, "Tuning at the edge").
+The switches: `weight_prefetch_rows` (the int4 and int8 products of engine/qmatmul.c prefetching the
+weight's rows ahead; acts on quantized formats only) and `int8_activations` (int4 products with their
+rows quantized to int8, W4A8, where AVX-512 VNNI is compiled; int4 only). A compiled RMSNorm was
+measured here and deleted (docs/benchmarks.md, "Tuning at the edge").
 
     python -m bench.decode_switches [--model GGUF] [--formats int4 int8] [--rounds 8] [--write docs/benchmarks.md]
 """
@@ -27,9 +28,11 @@ NAME = "decode-switches"
 HEADING = "## Tuning at the edge"
 SWITCHES = {
     "weight_prefetch_rows 0": {"weight_prefetch_rows": 0},
+    "int8_activations off": {"int8_activations": False},
 }
 """Variant label -> the `EngineConfig` options that turn one switch off."""
-QUANTIZED_ONLY = {"weight_prefetch_rows 0"}
+APPLIES = {"weight_prefetch_rows 0": ("int4", "int8"), "int8_activations off": ("int4",)}
+"""Variant label -> the weight formats (by prefix) the switch acts on."""
 
 
 def main(argv=None) -> int:
@@ -74,8 +77,7 @@ def main(argv=None) -> int:
 
     tables = []
     for fmt in args.formats:
-        variants = {"default": {}} | {k: v for k, v in SWITCHES.items()
-                                      if k not in QUANTIZED_ONLY or fmt.startswith("int")}
+        variants = {"default": {}} | {k: v for k, v in SWITCHES.items() if fmt.startswith(APPLIES[k])}
         models = {label: Transformer.from_directory(resolved.directory, EngineConfig(device="cpu", weights=fmt, **opts),
                                                     fingerprint=resolved.fingerprint)
                   for label, opts in variants.items()}
