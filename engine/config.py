@@ -163,6 +163,11 @@ class EngineConfig:
     """int4 and int8 products of few rows on the CPU (decode) ask for the weight's row this many rows
     ahead of the one they multiply to come into the cache (engine/qmatmul.c): int8 decode of the default
     model 22 against 29 ms a token (docs/benchmarks.md, "Tuning at the edge"); 0: no software prefetch."""
+    fused_decode: bool = True
+    """Decode passes (up to 8 rows) over int4/int8 weights on the CPU run each layer in one compiled
+    call (engine/fused_decode.py: the norms, RoPE, the K/V write and SiLU in C between the compiled
+    products and attention) instead of about 40 torch operators; False keeps the torch layer, which
+    also serves adapters, a streamed working set or weights, kv8 and the memory tracker's hooks."""
     lookup_draft: int = 0
     """Lookup decoding (engine/lookup.py): with greedy sampling, guess up to this many next tokens from
     where the reply's last tokens occurred before in the context, and check the guess in the pass that

@@ -23,7 +23,8 @@ with density faster than the torch kernel (docs/benchmarks.md, "Engine speed"); 
 run its `attn_rows`. With bf16 weights on a CPU with bfloat16 products (AMX tiles or AVX-512 BF16), 16
 rows or more run `engine/attention_bf16.c` instead (its two products in bfloat16, softmax and density
 in float32). Elsewhere (CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
-kernel `_attend` runs; all are tested against a naive full-matrix reference.
+kernel `_attend` runs; all are tested against a naive full-matrix reference. Decode passes over int4
+or int8 weights run each layer in one compiled call (`engine.fused_decode`, `EngineConfig.fused_decode`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import WEIGHT_PREFETCH_ROWS, EngineConfig, ModelConfig, resolve_device_dtype
+from engine.fused_decode import fused_step
 from engine.kvcache import KVCache
 from engine.kvspill import RowSpill
 from engine.loader import copy_out
@@ -331,16 +333,8 @@ class Transformer:
         self.forward_rows -= 49
 
     # ---- prefill / decode -------------------------------------------------------------------------
-    def forward(
-        self,
-        cache: KVCache,
-        token_ids,
-        *,
-        density: torch.Tensor | None = None,
-        all_logits: bool = False,
-        sdpa: bool = False,
-        adapter: Adapter | None = None,
-    ) -> torch.Tensor:
+    def forward(self, cache: KVCache, token_ids, *, density: torch.Tensor | None = None, all_logits: bool = False,
+                sdpa: bool = False, adapter: Adapter | None = None) -> torch.Tensor:
         """`forward_steps` run to its end: the logits."""
         steps = self.forward_steps(cache, token_ids, density=density, all_logits=all_logits, sdpa=sdpa,
                                    adapter=adapter)
@@ -401,13 +395,14 @@ class Transformer:
                 x = spill.x
             else:
                 x = self.w.embed(ids)  # [n, hidden]
+            step = fused_step(self, cache, n, sdpa=sdpa, adapter=adapter, partitions=len(parts)) or self._layer
             for layer in range(self.cfg.n_layers):
                 if pager is not None:  # a streamed layer is read in (the next one ahead)
                     pager.enter(layer)
                 for r0, r1 in parts:  # layer-major: every partition through this layer, then the next
                     rows = x[r0:r1] if spill is None else spill.enter(r0, r1)
-                    self._layer(layer, rows, pos[r0:r1], cache, contiguous=True, density=density,
-                                sdpa=sdpa, adapter=adapter)  # updates its rows of x in place
+                    step(layer, rows, pos[r0:r1], cache, contiguous=True, density=density, sdpa=sdpa,
+                         adapter=adapter)  # updates its rows of x in place
                     if spill is not None:
                         spill.leave(r0, r1)
                     if self.step_hook is not None:  # after the block's locals are gone
