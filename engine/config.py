@@ -164,7 +164,7 @@ class EngineConfig:
     ahead of the one they multiply to come into the cache (engine/qmatmul.c): int8 decode of the default
     model 22 against 29 ms a token (docs/benchmarks.md, "Tuning at the edge"); 0: no software prefetch."""
     fused_decode: bool = True
-    """Decode passes (up to 8 rows) over int4/int8 weights on the CPU run each layer in one compiled
+    """Decode passes (up to 8 rows) on the CPU in float32 run each layer in one compiled
     call (engine/fused_decode.py: the norms, RoPE, the K/V write and SiLU in C between the compiled
     products and attention) instead of about 40 torch operators; False keeps the torch layer, which
     also serves adapters, a streamed working set or weights, kv8 and the memory tracker's hooks."""

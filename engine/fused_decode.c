@@ -5,7 +5,7 @@
  * engine/qmatmul.c and engine/attention.c, reached through the function pointers the caller puts in
  * the layer's description (each keeps its own threads); what lies between them here is a few
  * thousand floats a row, done on the calling thread. This file knows no model format, no files and
- * no torch: the caller checks that the layer is one it can run (quantized products without biases,
+ * no torch: the caller checks that the layer is one it can run (compiled products without biases,
  * float32 rows, a float working set) and describes it.
  */
 #include <math.h>
@@ -17,12 +17,13 @@ typedef int64_t i64;
 typedef int (*q4_fn)(const float *, i64, i64, i64, const void *, const void *, const void *, i64, i64, float *, i64,
                      int, int, int, int);
 typedef int (*q8_fn)(const float *, i64, i64, i64, const void *, const void *, i64, float *, i64, int, int, int);
+typedef int (*f_fn)(const float *, i64, i64, i64, const void *, int, i64, float *, i64, int, int, int);
 typedef int (*attn_fn)(const float *, i64, const i64 *, i64, const float *, i64, const float *, i64, i64, i64, i64,
                        float, float *, i64, float *, int);
 
-/* A quantized weight [n, k] as engine/qlinear.py holds it. */
+/* A weight [n, k] as engine/qlinear.py holds it. */
 typedef struct {
-    int kind; /* 4: int4 (q, scale, mins, group), 8: int8 (q, scale) */
+    int kind; /* 4: int4 (q, scale, mins, group), 8: int8 (q, scale), 32 / 16: float32 / bfloat16 (q) */
     int int8_activations;
     int prefetch_rows;
     int pad;
@@ -37,7 +38,7 @@ typedef struct {
     const float *attn_norm, *mlp_norm;
     lin_t qkv, o, gate_up, down;
     const float *cos, *sin_half; /* rope tables [P, D] and [P, D / 2] */
-    void *q4, *q8, *attn;
+    void *q4, *q8, *fm, *attn;
 } layer_t;
 
 #define MAX_ROWS 8
@@ -104,6 +105,8 @@ static void rope(float *x, i64 heads, i64 d, const float *cos, const float *sin_
 
 static int product(const layer_t *L, const lin_t *w, const float *x, i64 m, i64 ldx, float *y, i64 ldy,
                    int accumulate, int threads) {
+    if (w->kind == 32 || w->kind == 16)
+        return ((f_fn)L->fm)(x, m, ldx, w->k, w->q, w->kind == 16, w->n, y, ldy, accumulate, threads, 0);
     if (w->kind == 4)
         return ((q4_fn)L->q4)(x, m, ldx, w->k, w->q, w->scale, w->mins, w->n, w->group, y, ldy, accumulate, threads,
                               w->int8_activations, w->prefetch_rows);

@@ -1,12 +1,12 @@
 """Decode's layers in one compiled call each (engine/fused_decode.c).
 
 This module deliberately knows nothing about files, formats on disk or the service: it is given a
-loaded `engine.model.Transformer` whose products are the compiled int4/int8 ones of `engine.qlinear`
-(CPU, float32 rows, no biases) and the compiled attention library, describes each layer once to
-`fd_layer`, and runs a layer over up to 8 rows (a decode step, a lookup pass) in one call. Between
-the products and attention a decode row is a few thousand floats, and in torch a layer of them was
-about 40 operators and their Python: at the default model's 30 layers about 3.7 of 9.6 ms a token
-(docs/benchmarks.md, "Tuning at the edge"). `fused_step` says when it applies; otherwise the
+loaded `engine.model.Transformer` whose products are the compiled ones of `engine.qlinear` (fp32,
+bf16, int8 or int4 weights on the CPU, float32 rows, no biases) and the compiled attention library,
+describes each layer once to `fd_layer`, and runs a layer over up to 8 rows (a decode step, a lookup
+pass) in one call. Between the products and attention a decode row is a few thousand floats, and in
+torch a layer of them was about 40 operators and their Python: at the default model's 30 layers
+about 3.7 of 9.6 ms an int4 token (docs/benchmarks.md, "Tuning at the edge"). `fused_step` says when it applies; otherwise the
 Transformer runs its torch layer (adapters, a streamed working set or weights, kv8, hooks).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine import native
-from engine.qlinear import Int4Linear, Int8Linear, kernels
+from engine.qlinear import FloatLinear, Int4Linear, Int8Linear, kernels
 
 MAX_ROWS = 8
 """Rows one call takes (the compiled products' limit)."""
@@ -29,7 +29,7 @@ _i64, _ptr, _int, _float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes
 
 
 class _Lin(ctypes.Structure):
-    """`lin_t`: one quantized weight."""
+    """`lin_t`: one weight."""
 
     _fields_ = [("kind", _int), ("int8_activations", _int), ("prefetch_rows", _int), ("pad", _int),
                 ("q", _ptr), ("scale", _ptr), ("mins", _ptr), ("n", _i64), ("k", _i64), ("group", _i64)]
@@ -41,7 +41,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64), ("eps", _float),
                 ("attn_scale", _float), ("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", _Lin), ("o", _Lin),
                 ("gate_up", _Lin), ("down", _Lin), ("cos", _ptr), ("sin_half", _ptr), ("q4", _ptr), ("q8", _ptr),
-                ("attn", _ptr)]
+                ("fm", _ptr), ("attn", _ptr)]
 
 
 _LIB: list = []  # [library or None]
@@ -61,8 +61,15 @@ def _library():
 
 
 def _lin(lin) -> _Lin | None:
-    """A compiled int4/int8 product's description, or None where the layer is not one."""
-    if not isinstance(lin, (Int4Linear, Int8Linear)) or lin.lib is None or lin.bias is not None:
+    """A compiled product's description, or None where the layer's product is not one."""
+    if lin.bias is not None:
+        return None
+    if isinstance(lin, FloatLinear):
+        if lin.lib is None:
+            return None
+        return _Lin(32 if lin.weight.dtype == torch.float32 else 16, 0, 0, 0, lin.weight.data_ptr(), None, None,
+                    lin.n, lin.k, 0)
+    if not isinstance(lin, (Int4Linear, Int8Linear)) or lin.lib is None:
         return None
     if isinstance(lin, Int4Linear):
         if lin.packed is not None:
@@ -104,7 +111,7 @@ class FusedDecode:
             structs.append(_Layer(cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, lins[2].n // 2,
                                   cfg.rms_norm_eps, model.scale, w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(),
                                   *lins, model.cos.data_ptr(), model.sin_half.data_ptr(), _address(qm.q4_matmul),
-                                  _address(qm.q8_matmul), _address(attention_lib.attn_rows)))
+                                  _address(qm.q8_matmul), _address(qm.f_matmul), _address(attention_lib.attn_rows)))
         return cls(model, lib, structs)
 
     def step(self, layer, x, pos, cache, *, contiguous, density, sdpa, adapter=None):
@@ -129,7 +136,7 @@ class FusedDecode:
 def fused_step(model, cache, n: int, *, sdpa: bool, adapter, partitions: int):
     """`FusedDecode.step` where it applies to this pass (switched on, at most MAX_ROWS rows in one
     partition, no adapter, no torch attention asked for, no hooks, resident weights, a resident float
-    working set, every layer quantized on the CPU and the compiled attention), else None."""
+    working set, every product a compiled one on the CPU and the compiled attention), else None."""
     if not (model.engine_cfg.fused_decode and 1 <= n <= MAX_ROWS and partitions == 1 and not sdpa
             and adapter is None and model.step_hook is None and model.weight_pager is None
             and cache.kv_format == "float" and cache.pager is None and model.compiled_attention):

@@ -3,7 +3,9 @@
 This module deliberately knows nothing about the model's architecture, files or conversion: a layer
 is given its stored arrays (memory-mapped where the loader mapped them) and computes `y = x W^T + b`.
 
-- float (fp32, bf16): `F.linear` on the weight tensor (bf16 weights under a float32 compute dtype: the
+- float (fp32, bf16): up to `qm_max_rows()` float32 rows on the CPU in the compiled `f_matmul` of
+  `engine/qmatmul.c` (float32 sums; torch's one-row GEMM streamed the weight at about half its
+  rate), more with `F.linear` on the weight tensor (bf16 weights under a float32 compute dtype: the
   rows are cast to bfloat16 for the product, whose result comes back as float32).
 - int4, int8, on the CPU with float32 rows: up to `qm_max_rows()` rows (decode, short turns) run in
   the compiled products of `engine/qmatmul.c`, which read the stored values in their stored layout
@@ -65,9 +67,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.q4_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int, c_int, c_int, c_int)
     lib.q8_matmul.argtypes = (ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, c_int, c_int, c_int)
+    lib.f_matmul.argtypes = (ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int, c_int, c_int)
     lib.q4_dequantize.argtypes = (ptr, ptr, ptr, i64, i64, i64, ptr, i64, c_int, c_int)
     lib.q8_dequantize.argtypes = (ptr, ptr, i64, i64, ptr, i64, c_int, c_int)
-    for f in (lib.q4_matmul, lib.q8_matmul, lib.q4_dequantize, lib.q8_dequantize, lib.qm_max_rows, lib.qm_openmp,
+    for f in (lib.q4_matmul, lib.q8_matmul, lib.f_matmul, lib.q4_dequantize, lib.q8_dequantize, lib.qm_max_rows, lib.qm_openmp,
               lib.qm_int8_activations):
         f.restype = c_int
     lib.qm_max_rows.argtypes = lib.qm_openmp.argtypes = lib.qm_int8_activations.argtypes = ()
@@ -125,22 +128,49 @@ class Linear:
 
 
 class FloatLinear(Linear):
-    """A float weight (fp32 or bf16); under a float32 compute dtype a bf16 weight takes bf16 rows."""
+    """A float weight (fp32 or bf16). Up to `qm_max_rows()` float32 rows on the CPU (decode) run the
+    compiled product of engine/qmatmul.c (`f_matmul`: float32 sums, a bf16 weight widened exactly),
+    which streams the weight at about twice the rate of torch's one-row GEMM on this project's VMs
+    (docs/benchmarks.md, "Tuning at the edge"); more rows run `F.linear`, where under a float32
+    compute dtype a bf16 weight takes bf16 rows."""
 
-    __slots__ = ("weight",)
+    __slots__ = ("weight", "lib", "max_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
         self.n, self.k = weight.shape
+        compiled = (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+                    and weight.is_contiguous() and self.k % 16 == 0)
+        self.lib = kernels() if compiled else None
+        self.max_rows = self.lib.qm_max_rows() if self.lib is not None else 0
+
+    def _few(self, x: torch.Tensor) -> bool:
+        """Whether the compiled product takes rows `x`."""
+        return x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= self.max_rows
+
+    def _product(self, x: torch.Tensor, y: torch.Tensor, *, accumulate: bool) -> None:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        rc = self.lib.f_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.weight.data_ptr(),
+                               int(self.weight.dtype == torch.bfloat16), self.n, y.data_ptr(), y.stride(0),
+                               int(accumulate), torch.get_num_threads(), 0)
+        if rc:
+            raise RuntimeError("float product refused its arguments")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._few(x):
+            y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+            self._product(x, y, accumulate=False)
+            return y if self.bias is None else y.add_(self.bias)
         if x.dtype != self.weight.dtype:
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None and self._few(x) and out.dtype == torch.float32 and out.stride(-1) == 1:
+            self._product(x, out, accumulate=True)
+            return out
         if self.bias is None and x.dtype == self.weight.dtype == out.dtype:
             return out.addmm_(x, self.weight.t())
         return out.add_(self(x))

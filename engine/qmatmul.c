@@ -83,7 +83,7 @@ static inline float half_to_float(uint16_t h) {
 }
 
 typedef struct {
-    int kind; /* 4: int4 product, 8: int8 product, 40/80: de-quantize int4/int8 */
+    int kind; /* 4: int4 product, 8: int8 product, 32/16: float32/bfloat16 product, 40/80: de-quantize int4/int8 */
     const float *x;
     i64 m, k, n, group, ldx, ldy;
     const uint8_t *q;
@@ -361,6 +361,58 @@ static void q8_dequant_rows(const job_t *jb, i64 j0, i64 j1) {
     }
 }
 
+/* ---- float32 and bfloat16 ------------------------------------------------------------------------ */
+
+/* 16 bfloat16 -> floats (exact: the upper halves of their float32 words) */
+static inline v16f bf16_to_f(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, 32);
+    const v16w u = __builtin_convertvector(h, v16w) << 16;
+    v16f f;
+    memcpy(&f, &u, 64);
+    return f;
+}
+
+/* One row of a float32 (kind 32) or bfloat16 (kind 16) W against m float rows of x; k % 16 == 0. */
+static inline __attribute__((always_inline)) void f_row(const job_t *jb, i64 j, const int m) {
+    const i64 k = jb->k;
+    v16f acc0[MAX_ROWS], acc1[MAX_ROWS];
+    for (int r = 0; r < m; r++) acc0[r] = acc1[r] = (v16f){0};
+    const float *w32 = (const float *)jb->q + j * k;
+    const uint16_t *w16 = (const uint16_t *)jb->q + j * k;
+    i64 i = 0;
+    for (; i + 32 <= k; i += 32) {
+        const v16f w0 = jb->kind == 32 ? load16(w32 + i) : bf16_to_f(w16 + i);
+        const v16f w1 = jb->kind == 32 ? load16(w32 + i + 16) : bf16_to_f(w16 + i + 16);
+        for (int r = 0; r < m; r++) {
+            acc0[r] += w0 * load16(jb->x + r * jb->ldx + i);
+            acc1[r] += w1 * load16(jb->x + r * jb->ldx + i + 16);
+        }
+    }
+    if (i < k) {
+        const v16f w0 = jb->kind == 32 ? load16(w32 + i) : bf16_to_f(w16 + i);
+        for (int r = 0; r < m; r++) acc0[r] += w0 * load16(jb->x + r * jb->ldx + i);
+    }
+    for (int r = 0; r < m; r++) {
+        const float v = hsum16(acc0[r] + acc1[r]);
+        float *yr = jb->y + r * jb->ldy + j;
+        *yr = jb->accumulate ? *yr + v : v;
+    }
+}
+
+static void f_rows(const job_t *jb, i64 j0, i64 j1) {
+    const i64 row = jb->k * (jb->kind == 32 ? 4 : 2);
+    for (i64 j = j0; j < j1; j++) {
+        if (jb->prefetch_rows && j + jb->prefetch_rows < j1) prefetch(jb->q + (j + jb->prefetch_rows) * row, row);
+        switch (jb->m) {
+        case 1: f_row(jb, j, 1); break;
+        case 2: f_row(jb, j, 2); break;
+        case 4: f_row(jb, j, 4); break;
+        default: f_row(jb, j, (int)jb->m); break;
+        }
+    }
+}
+
 /* ---- threads ------------------------------------------------------------------------------------- */
 
 static void run_part(const job_t *jb, int part, int parts) {
@@ -372,6 +424,8 @@ static void run_part(const job_t *jb, int part, int parts) {
     switch (jb->kind) {
     case 4: q4_rows(jb, j0, j1); break;
     case 8: q8_rows(jb, j0, j1); break;
+    case 16:
+    case 32: f_rows(jb, j0, j1); break;
     case 40: q4_dequant_rows(jb, j0, j1); break;
     case 80: q8_dequant_rows(jb, j0, j1); break;
     }
@@ -495,6 +549,18 @@ int q8_matmul(const float *x, i64 m, i64 ldx, i64 k, const int8_t *q, const floa
     if (m < 1 || m > MAX_ROWS || k % 16 || prefetch_rows < 0) return -1;
     job_t jb = {.kind = 8, .x = x, .m = m, .k = k, .n = n, .ldx = ldx, .ldy = ldy, .q = (const uint8_t *)q,
                 .scale8 = scale, .y = y, .accumulate = accumulate, .threads = threads,
+                .prefetch_rows = prefetch_rows};
+    run(&jb);
+    return 0;
+}
+
+/* y[m, n] (+)= x[m, k] W^T, W float32 (bf16 == 0) or bfloat16 [n, k] (k a multiple of 16), float32
+ * rows and sums (a bfloat16 weight is widened exactly); m <= MAX_ROWS; `prefetch_rows` as above. */
+int f_matmul(const float *x, i64 m, i64 ldx, i64 k, const void *w, int bf16, i64 n, float *y, i64 ldy,
+             int accumulate, int threads, int prefetch_rows) {
+    if (m < 1 || m > MAX_ROWS || k % 16 || prefetch_rows < 0) return -1;
+    job_t jb = {.kind = bf16 ? 16 : 32, .x = x, .m = m, .k = k, .n = n, .ldx = ldx, .ldy = ldy,
+                .q = (const uint8_t *)w, .y = y, .accumulate = accumulate, .threads = threads,
                 .prefetch_rows = prefetch_rows};
     run(&jb);
     return 0;

@@ -1,6 +1,6 @@
 """Decode's layers in one compiled call (engine.fused_decode) against the torch layer they replace:
-the same logits, K/V and information density up to float32 rounding, one row and several, int4 and
-int8 weights; and the passes it must leave to the torch layer."""
+the same logits, K/V and information density up to float32 rounding, one row and several, in every
+weight format; and the passes it must leave to the torch layer."""
 
 from __future__ import annotations
 
@@ -54,10 +54,11 @@ def int4_float_rows(resolved_model):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_fused_layers_equal_the_torch_layer(int4_float_rows, resolved_model, rows):
-    """int4 (float rows) and int8 weights: 12 passes of greedy decode fused and in torch give the same
-    tokens, logits, K/V and density within float32 rounding; the fused layers really ran."""
-    for m in (int4_float_rows, _model(resolved_model, "int8")):
+def test_fused_layers_equal_the_torch_layer(int4_float_rows, resolved_model, engine, rows):
+    """fp32 (the session's engine), bf16, int8 and int4 (float rows) weights: 12 passes of greedy decode
+    fused and in torch give the same tokens, logits, K/V and density within float32 rounding; the
+    fused layers really ran."""
+    for m in (engine.model, _model(resolved_model, "bf16"), _model(resolved_model, "int8"), int4_float_rows):
         got = _decode(m, 12, rows)
         assert fused_decode._BUILT.get(m) is not None
         want = _decode(_torch_layers(m), 12, rows)
@@ -99,10 +100,10 @@ def test_fused_layers_with_int8_activations_stay_within_their_rounding(int4_floa
     assert all(sum(e) / 3 < 0.02 for e in errors.values()), errors
 
 
-def test_passes_the_fused_layers_leave_to_torch(int4_float_rows, resolved_model, engine):
+def test_passes_the_fused_layers_leave_to_torch(int4_float_rows):
     """Only what `fd_layer` computes exactly as the torch layer would is fused: more rows than the
     products take, one of several partitions, an adapter, torch attention, a kv8 working set, a step
-    hook, float weights and the switch off go to the torch layer."""
+    hook and the switch off go to the torch layer."""
     m = int4_float_rows
     cache = m.new_cache(64)
     step = fused_decode.fused_step
@@ -114,7 +115,6 @@ def test_passes_the_fused_layers_leave_to_torch(int4_float_rows, resolved_model,
     assert step(m, cache, 1, sdpa=False, adapter=object(), partitions=1) is None
     assert step(m, m.new_cache(64, kv_format="kv8"), 1, sdpa=False, adapter=None, partitions=1) is None
     assert step(_torch_layers(m), cache, 1, sdpa=False, adapter=None, partitions=1) is None
-    assert step(engine.model, engine.model.new_cache(64), 1, sdpa=False, adapter=None, partitions=1) is None
     m.step_hook = lambda *a: None
     try:
         assert step(m, cache, 1, sdpa=False, adapter=None, partitions=1) is None

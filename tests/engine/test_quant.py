@@ -71,6 +71,30 @@ def test_int4_products_match_the_dequantized_float_product(n, k, group, native):
         assert torch.allclose(out, expect, rtol=1e-4, atol=1e-4 * float(expect.abs().max())), rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_products_of_few_rows_match_torch(dtype):
+    """fp32 and bf16 weights: up to the compiled product's rows on the CPU (`f_matmul`, float32 sums over
+    the weight widened exactly) equal the float64 product over the same weight up to float32 rounding,
+    with a bias and residual adds; more rows run `F.linear` (bf16 rows for a bf16 weight)."""
+    from engine.qlinear import FloatLinear
+
+    if kernels() is None:
+        pytest.skip("no C compiler here")
+    w = torch.randn(200, 592).to(dtype)  # 592 = 18.5 x 32: a last step of 16
+    bias = torch.randn(200)
+    lin = FloatLinear(w, bias)
+    assert lin.max_rows == 8
+    for rows in (1, 3, 8, 9):
+        x = torch.randn(rows, 592)
+        want = x.double() @ w.double().t() + bias.double()
+        tol = (1e-5 if rows <= 8 or dtype == torch.float32 else 1e-2) * float(want.abs().max())
+        assert float((lin(x).double() - want).abs().max()) <= tol, rows
+        out = torch.randn(rows, 200)
+        expect = out.double() + x.double() @ w.double().t()
+        got = FloatLinear(w).add_into(out, x).double()
+        assert float((got - expect).abs().max()) <= tol, rows
+
+
 def _w4a8_reference(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """What the W4A8 product computes exactly: x quantized to int8 per block of 32 inputs (scale
     max|x| / 127, rounded to nearest even, in float32), times the de-quantized weight, in float64."""
