@@ -6,8 +6,9 @@ bf16, int8 or int4 weights on the CPU, float32 rows, no biases) and the compiled
 describes each layer once to `fd_layer`, and runs a layer over up to 8 rows (a decode step, a lookup
 pass) in one call. Between the products and attention a decode row is a few thousand floats, and in
 torch a layer of them was about 40 operators and their Python: at the default model's 30 layers
-about 3.7 of 9.6 ms an int4 token (docs/benchmarks.md, "Tuning at the edge"). `fused_step` says when it applies; otherwise the
-Transformer runs its torch layer (adapters, a streamed working set or weights, kv8, hooks).
+about 3.7 of 9.6 ms an int4 token (docs/benchmarks.md, "Tuning at the edge"). `fused_step` says
+when it applies; otherwise the Transformer runs its torch layer (adapters, a streamed working set or
+weights, kv8, hooks).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ with density faster than the torch kernel (docs/benchmarks.md, "Engine speed"); 
 run its `attn_rows`. With bf16 weights on a CPU with bfloat16 products (AMX tiles or AVX-512 BF16), 16
 rows or more run `engine/attention_bf16.c` instead (its two products in bfloat16, softmax and density
 in float32). Elsewhere (CUDA, no compiler, `EngineConfig.native_attention=False`) the torch blockwise
-kernel `_attend` runs; all are tested against a naive full-matrix reference. Decode passes over int4
-or int8 weights run each layer in one compiled call (`engine.fused_decode`, `EngineConfig.fused_decode`).
+kernel `_attend` runs; all are tested against a naive full-matrix reference. Decode passes on the CPU
+run each layer in one compiled call (`engine.fused_decode`, `EngineConfig.fused_decode`).
 """
 
 from __future__ import annotations

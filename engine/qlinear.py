@@ -70,8 +70,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.f_matmul.argtypes = (ptr, i64, i64, i64, ptr, c_int, i64, ptr, i64, c_int, c_int, c_int)
     lib.q4_dequantize.argtypes = (ptr, ptr, ptr, i64, i64, i64, ptr, i64, c_int, c_int)
     lib.q8_dequantize.argtypes = (ptr, ptr, i64, i64, ptr, i64, c_int, c_int)
-    for f in (lib.q4_matmul, lib.q8_matmul, lib.f_matmul, lib.q4_dequantize, lib.q8_dequantize, lib.qm_max_rows, lib.qm_openmp,
-              lib.qm_int8_activations):
+    for f in (lib.q4_matmul, lib.q8_matmul, lib.f_matmul, lib.q4_dequantize, lib.q8_dequantize, lib.qm_max_rows,
+              lib.qm_openmp, lib.qm_int8_activations):
         f.restype = c_int
     lib.qm_max_rows.argtypes = lib.qm_openmp.argtypes = lib.qm_int8_activations.argtypes = ()
     return lib

@@ -216,8 +216,8 @@ static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i
         __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         for (i64 b = b0; b < b0 + nb; b += 4) {
             const int left = (int)(nblocks - b);
-            const __m512i raw = left >= 4 ? _mm512_loadu_si512((const void *)(qj + b * 16))
-                                          : _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * left)) - 1), qj + b * 16);
+            const __mmask64 bytes = left >= 4 ? ~0ull : (1ull << (16 * left)) - 1; /* a last, partial step */
+            const __m512i raw = _mm512_maskz_loadu_epi8(bytes, qj + b * 16);
             const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             for (int r = 0; r < m; r++) {
                 const int8_t *xr = jb->xq + r * xstride + b / 4 * XQ_STEP;
