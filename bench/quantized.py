@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from bench.serve_long_prompt import proc_status
+from engine.native import cpu_model_and_flags
 
 NAME = "quantized"
 HEADING = "## Quantized weights"
@@ -193,18 +194,8 @@ def run_worker(args: list[str], repeats: int, decode: int, threads: int, lengths
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _cpu_model_and_flags() -> tuple[str, set[str]]:
-    """The CPU's model name and feature flags from /proc/cpuinfo (the platform's name and none without it)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine(), set()
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
-    return model, set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
-
-
 def cpu_line() -> str:
-    model, flags = _cpu_model_and_flags()
+    model, flags = cpu_model_and_flags()
     caches = {}
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -222,7 +213,7 @@ def host_kind() -> str:
     """This CPU's kind as the results page's machine table names it, for the page's per-host blocks:
     the model's family (Xeon, EPYC, ...) and its widest bfloat16 products: "Xeon-AMX",
     "EPYC-AVX512", or the family alone."""
-    model, flags = _cpu_model_and_flags()
+    model, flags = cpu_model_and_flags()
     words = model.split() or [platform.machine()]
     family = next((w for w in ("Xeon", "EPYC", "Ryzen", "Core") if w in words), words[0])
     return family + ("-AMX" if "amx_bf16" in flags else "-AVX512" if "avx512_bf16" in flags else "")

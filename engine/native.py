@@ -28,6 +28,7 @@ call, so callers may run kernels on several threads.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -62,6 +63,22 @@ def kernel_dir() -> Path:
     (the model cache's root, as engine.loader.cache_root, not imported so this module stays a leaf)."""
     env = os.environ.get("LLMAAS_CACHE_DIR")
     return (Path(env) if env else Path.home() / ".cache" / "llmaas") / "kernels"
+
+
+@functools.cache
+def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
+    """This CPU's model name and feature flags, read once from /proc/cpuinfo (`flags` on x86, `Features`
+    on arm64); the platform's name and no flags where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read(1 << 16).splitlines()
+    except OSError:
+        return platform.processor() or platform.machine(), frozenset()
+
+    def field(*names: str) -> str:
+        return next((ln.split(":", 1)[1] for ln in lines if ln.split(":")[0].strip() in names), "")
+
+    return field("model name").strip() or platform.machine(), frozenset(field("flags", "Features").split())
 
 
 def _cpu_identity() -> str:

@@ -41,26 +41,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import native
 from engine.config import WEIGHT_PREFETCH_ROWS
 from engine.threads import load_on_torch_team
 from engine.quant import BLOCK, groups_of
 
 _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
-_BF16_PRODUCTS: list = []  # [bool]: bf16_products_here's answer, read once
-
-
 def bf16_products_here() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (Linux's flags `avx512_bf16` or `amx_bf16`), so
     a bfloat16 GEMM runs about 2x (AVX-512 BF16) to 7x (AMX) a float32 one; elsewhere oneDNN converts and
     gains nothing. False where /proc/cpuinfo cannot be read."""
-    if not _BF16_PRODUCTS:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-        except OSError:
-            flags = []
-        _BF16_PRODUCTS.append("avx512_bf16" in flags or "amx_bf16" in flags)
-    return _BF16_PRODUCTS[0]
+    flags = native.cpu_model_and_flags()[1]
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:

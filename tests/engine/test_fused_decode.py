@@ -4,6 +4,7 @@ weight format; and the passes it must leave to the torch layer."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -25,8 +26,7 @@ def _model(resolved, weights, **opts):
 
 def _torch_layers(m):
     """The same model with the fused layers switched off (the same weights: nothing is reloaded)."""
-    off = type(m).__new__(type(m))
-    off.__dict__.update(m.__dict__)
+    off = copy.copy(m)
     off.engine_cfg = dataclasses.replace(m.engine_cfg, fused_decode=False)
     return off
 
