@@ -9,8 +9,10 @@ more than twice that spread (the project's rule for speed-only optimisations).
 
 The switches: `weight_prefetch_rows` (the int4 and int8 products of engine/qmatmul.c prefetching the
 weight's rows ahead; acts on quantized formats only), `int8_activations` (int4 products with their
-rows quantized to int8, W4A8, where AVX-512 VNNI is compiled; int4 only) and `fused_decode` (each
-layer of a decode pass in one compiled call, engine/fused_decode.py; every format). A compiled RMSNorm was
+rows quantized to int8, W4A8, where AVX-512 VNNI is compiled; int4 only), `symmetric_int4` (int4
+repacked from Q4_0 blocks read without minimums; acts only on a Q4_0 GGUF's int4, e.g. bench.quantized's
+`default-Q4_0.gguf` or the 1.2B shape's `model-Q4_0.gguf`) and `fused_decode` (each layer of a decode
+pass in one compiled call, engine/fused_decode.py; every format). A compiled RMSNorm was
 measured here and deleted (docs/benchmarks.md, "Tuning at the edge").
 
     python -m bench.decode_switches [--model GGUF] [--formats int4 int8] [--rounds 8] [--write docs/benchmarks.md]
@@ -30,11 +32,12 @@ HEADING = "## Tuning at the edge"
 SWITCHES = {
     "weight_prefetch_rows 0": {"weight_prefetch_rows": 0},
     "int8_activations off": {"int8_activations": False},
+    "symmetric_int4 off": {"symmetric_int4": False},
     "fused_decode off": {"fused_decode": False},
 }
 """Variant label -> the `EngineConfig` options that turn one switch off."""
 APPLIES = {"weight_prefetch_rows 0": ("int4", "int8"), "int8_activations off": ("int4",),
-           "fused_decode off": ("fp32", "bf16", "int4", "int8")}
+           "symmetric_int4 off": ("int4",), "fused_decode off": ("fp32", "bf16", "int4", "int8")}
 """Variant label -> the weight formats (by prefix) the switch acts on."""
 
 

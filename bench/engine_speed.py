@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         lines.append(f"| {k} | " + " | ".join(f"{prefill[(k, n)]:.0f}" for n in args.lengths) + f" | {ratio} |")
     lines += [
         "",
-        f"Density cost (share of prefill time spent on it, engine with vs without): "
+        "Density cost (share of prefill time spent on it, engine with vs without): "
         + ", ".join(
             f"{n} tokens {1 - prefill[('engine (density on)', n)] / prefill[('engine (density off)', n)]:.1%}"
             for n in args.lengths

@@ -163,6 +163,10 @@ class EngineConfig:
     """int4 and int8 products of few rows on the CPU (decode) ask for the weight's row this many rows
     ahead of the one they multiply to come into the cache (engine/qmatmul.c): int8 decode of the default
     model 22 against 29 ms a token (docs/benchmarks.md, "Tuning at the edge"); 0: no software prefetch."""
+    symmetric_int4: bool = True
+    """int4 weights repacked from Q4_0 blocks are read without minimums (each is -8 times its scale:
+    18 bytes a block of 32 instead of 20, so decode streams a tenth less); False gives them their
+    minimums at load, as an asymmetric weight (docs/benchmarks.md, "Tuning at the edge")."""
     fused_decode: bool = True
     """Decode passes (up to 8 rows) on the CPU in float32 run each layer in one compiled
     call (engine/fused_decode.py: the norms, RoPE, the K/V write and SiLU in C between the compiled

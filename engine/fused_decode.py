@@ -76,7 +76,7 @@ def _lin(lin) -> _Lin | None:
         if lin.packed is not None:
             return None
         return _Lin(4, int(lin.int8_activations), lin.prefetch_rows, 0, lin.q.data_ptr(), lin.scale.data_ptr(),
-                    lin.mins.data_ptr(), lin.n, lin.k, lin.group)
+                    lin.mins_address(), lin.n, lin.k, lin.group)
     return _Lin(8, 0, lin.prefetch_rows, 0, lin.q.data_ptr(), lin.scale.data_ptr(), None, lin.n, lin.k, 0)
 
 

@@ -46,7 +46,7 @@ from engine.kvspill import RowSpill
 from engine.loader import copy_out
 from engine.lora import Adapter
 from engine.qlinear import Embedding, FloatLinear, Int4Linear, Int8Linear, Linear
-from engine.quant import WeightFormat
+from engine.quant import WeightFormat, symmetric_minimums
 from engine.threads import load_on_torch_team
 
 SCORE_BUDGET_BYTES = 9 << 19  # attention scores per row block in prefill: 64-row blocks at 2048 tokens. 64-row
@@ -141,12 +141,12 @@ class RecomputeJob:
 
 def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
                  fmt: WeightFormat | None = None, *, int8_activations: bool = True, copy: bool = False,
-                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS, bf16_rows: bool = False) -> Weights:
+                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS, bf16_rows: bool = False, symmetric_int4: bool = True) -> Weights:
     """Build engine weights from engine-layout arrays (float ones from `fuse_hf`, or a weight format's
     from engine.weightcache). On the CPU nothing already in its compute type is copied: the tensors
     view the arrays (a read-only mmap shares its pages with every process on the node). bf16 weights
-    stay bf16 under a float32 compute dtype; the embedding table stays in its stored type. `copy`, `bf16_rows`:
-    `EngineConfig.copy_weights`, `EngineConfig.quantized_prefill_bf16` for quantized (int4, int8) weights."""
+    stay bf16 under a float32 compute dtype; the embedding table stays in its stored type. `copy`, `bf16_rows`,
+    `symmetric_int4`: `EngineConfig.copy_weights`, `.quantized_prefill_bf16`, `.symmetric_int4`."""
     fmt = fmt or WeightFormat()
     own = (lambda a: torch.from_numpy(copy_out(a))) if copy else (lambda a: a)
 
@@ -165,8 +165,10 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
 
     def linear(name: str, bias: str | None = None) -> Linear:
         b = get(bias) if bias else None
-        if name + ".min" in arrays:
-            return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), own(arrays[name + ".min"]), fmt.group,
+        if name + ".q" in arrays and arrays[name + ".q"].dtype == np.uint8:  # int4 (no .min: symmetric)
+            lo = arrays.get(name + ".min")
+            lo = own(lo) if lo is not None else None if symmetric_int4 else symmetric_minimums(arrays[name + ".scale"])
+            return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), lo, fmt.group,
                               bias=b, device=device, int8_activations=int8_activations,
                               device_pack=dtype == torch.bfloat16, prefetch_rows=prefetch_rows, bf16_rows=bf16_rows)
         if name + ".q" in arrays:
@@ -304,7 +306,8 @@ class Transformer:
         weights = load_weights(arrays, cfg, device, dtype, fmt, int8_activations=engine_cfg.int8_activations,
                                copy=engine_cfg.copy_weights and device.type == "cpu"
                                and engine_cfg.weights_resident_bytes is None,  # streamed weights stay mapped
-                               prefetch_rows=engine_cfg.weight_prefetch_rows, bf16_rows=engine_cfg.quantized_prefill_bf16)
+                               prefetch_rows=engine_cfg.weight_prefetch_rows, bf16_rows=engine_cfg.quantized_prefill_bf16,
+                               symmetric_int4=engine_cfg.symmetric_int4)
         model = cls(cfg, weights, engine_cfg)
         model.fingerprint = fingerprint or ""
         if engine_cfg.weights_resident_bytes is not None:

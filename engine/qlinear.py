@@ -233,7 +233,8 @@ class _QuantLinear(Linear):
 
 
 class Int4Linear(_QuantLinear):
-    """Group-wise asymmetric int4 (engine.quant's stored layout). `int8_activations`: the compiled
+    """Group-wise int4 (engine.quant's stored layout): asymmetric, or symmetric with `mins` None (each
+    minimum -8 times its scale, not stored: Q4_0's blocks). `int8_activations`: the compiled
     product quantizes its rows to int8 per 32 inputs and multiplies in integers where AVX-512 VNNI
     was compiled (MNN-LLM §4.2's W4A8; about 0.5% relative error per product on top of the
     weights'); False keeps float rows. `device_pack`: on CUDA, pack the weight for torch's
@@ -246,18 +247,21 @@ class Int4Linear(_QuantLinear):
                  int8_activations: bool = True, device_pack: bool = False,
                  prefetch_rows: int = WEIGHT_PREFETCH_ROWS, bf16_rows: bool = False) -> None:
         device = torch.device(device)
-        self.q, self.scale, self.mins = _tensor(q), _tensor(scale), _tensor(mins)  # uint8 [n, k/2], fp16 [n, G] x2
+        self.q, self.scale = _tensor(q), _tensor(scale)  # uint8 [n, k/2], fp16 [n, G]
+        self.mins = None if mins is None else _tensor(mins)  # fp16 [n, G], or None: symmetric
         self.group = group
         self.n, half = self.q.shape
         self.k = 2 * half
-        if self.scale.shape != (self.n, groups_of(self.k, group)) or self.mins.shape != self.scale.shape:
+        if self.scale.shape != (self.n, groups_of(self.k, group)) or (self.mins is not None
+                                                                      and self.mins.shape != self.scale.shape):
             raise ValueError(f"int4 scales of shape {tuple(self.scale.shape)} do not fit a [{self.n}, {self.k}] "
                              f"weight at group {group}")
         self.packed = self.scales_zeros = None
         if device.type == "cuda" and device_pack:
             self._pack_for(device)
         if self.packed is None:
-            self.q, self.scale, self.mins = self.q.to(device), self.scale.to(device), self.mins.to(device)
+            self.q, self.scale = self.q.to(device), self.scale.to(device)
+            self.mins = None if self.mins is None else self.mins.to(device)
         self._setup(device, bias, prefetch_rows, bf16_rows)
         self.int8_activations = bool(int8_activations and self.lib is not None and self.lib.qm_int8_activations())
 
@@ -272,10 +276,11 @@ class Int4Linear(_QuantLinear):
             return
         b = self.q.to(device).view(n, k // BLOCK, 1, BLOCK // 2)
         vals = torch.cat((b & 15, b >> 4), dim=2).view(n, k).to(torch.int32)
-        scale, mins = self.scale.to(device).float(), self.mins.to(device).float()
+        scale = self.scale.to(device).float()
+        zero = torch.zeros_like(scale) if self.mins is None else self.mins.to(device).float() + 8 * scale
         try:
             packed = torch._convert_weight_to_int4pack(((vals[:, ::2] << 4) | vals[:, 1::2]).to(torch.uint8), tiles)
-            sz = torch.stack((scale, mins + 8 * scale), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
             torch._weight_int4pack_mm(torch.zeros(1, k, dtype=torch.bfloat16, device=device), packed, g, sz)
         except (RuntimeError, NotImplementedError, AttributeError):
             return
@@ -290,7 +295,7 @@ class Int4Linear(_QuantLinear):
 
     def _product(self, x, y, *, accumulate):
         rc = self.lib.q4_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.q.data_ptr(),
-                                self.scale.data_ptr(), self.mins.data_ptr(), self.n, self.group, y.data_ptr(),
+                                self.scale.data_ptr(), self.mins_address(), self.n, self.group, y.data_ptr(),
                                 y.stride(0), int(accumulate), self.threads_fn(), int(self.int8_activations),
                                 self.prefetch_rows)
         if rc:
@@ -299,7 +304,7 @@ class Int4Linear(_QuantLinear):
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         if self.lib is not None and dtype in (torch.float32, torch.bfloat16):
             out = torch.empty(self.n, self.k, dtype=dtype)
-            rc = self.lib.q4_dequantize(self.q.data_ptr(), self.scale.data_ptr(), self.mins.data_ptr(), self.n,
+            rc = self.lib.q4_dequantize(self.q.data_ptr(), self.scale.data_ptr(), self.mins_address(), self.n,
                                         self.k, self.group, out.data_ptr(), self.k, int(dtype == torch.bfloat16),
                                         self.threads_fn())
             if rc:
@@ -309,8 +314,12 @@ class Int4Linear(_QuantLinear):
         b = self.q.view(n, k // BLOCK, 1, BLOCK // 2)
         vals = torch.cat((b & 15, b >> 4), dim=2).view(n, k).float()
         scale = self.scale.float().repeat_interleave(self.group, dim=1)[:, :k]
-        mins = self.mins.float().repeat_interleave(self.group, dim=1)[:, :k]
+        mins = -8 * scale if self.mins is None else self.mins.float().repeat_interleave(self.group, dim=1)[:, :k]
         return vals.mul_(scale).add_(mins).to(device=self.device, dtype=dtype)
+
+    def mins_address(self) -> int:
+        """The minimums' address for the compiled kernels (0: symmetric)."""
+        return 0 if self.mins is None else self.mins.data_ptr()
 
     @property
     def device(self) -> torch.device:
@@ -319,7 +328,7 @@ class Int4Linear(_QuantLinear):
     def resident_bytes(self) -> int:
         if self.packed is not None:
             return self.packed.numel() * self.packed.element_size() + 2 * self.scales_zeros.numel()
-        return self.q.numel() + 2 * self.scale.numel() + 2 * self.mins.numel()
+        return self.q.numel() + 2 * self.scale.numel() + (0 if self.mins is None else 2 * self.mins.numel())
 
 
 class Int8Linear(_QuantLinear):

@@ -116,7 +116,7 @@ static inline void q4_prefetch(const job_t *jb, i64 j, i64 j1) {
     const i64 groups = (jb->k + jb->group - 1) / jb->group;
     prefetch(jb->q + a * (jb->k / 2), jb->k / 2);
     prefetch(jb->scale + a * groups, groups * 2);
-    prefetch(jb->mins + a * groups, groups * 2);
+    if (jb->mins) prefetch(jb->mins + a * groups, groups * 2);
 }
 
 /* ---- int4 ---------------------------------------------------------------------------------------- */
@@ -131,6 +131,29 @@ static inline void halves(const uint16_t *h, float *out, int n) {
 #endif
 }
 
+/* Row j's scales, and minimums where the weight stores them (groups g.. g + n - 1, n <= 16), as floats.
+ * A symmetric weight (`mins` NULL: GGUF's Q4_0, `w = (q - 8) * scale`) has none: each is -8 times its
+ * scale, and the minimums' term is taken over the scales times -8 (`q4_min_term`). */
+static inline void q4_group_params(const job_t *jb, i64 j, i64 groups, i64 g, int n, float *sc, float *mn) {
+    halves(jb->scale + j * groups + g, sc + g, n);
+    if (jb->mins) halves(jb->mins + j * groups + g, mn + g, n);
+}
+
+/* sum_g min[g] * xs[g] as 16 lanes (`*tail`: the groups past the last 16), min[g] = mf * mv[g]: the row's
+ * minimums (mf 1) or its scales (mf -8, symmetric; exact, so both forms give the same bits). */
+static inline v16f q4_min_term(const job_t *jb, const float *sc, const float *mn, const float *xs, i64 groups,
+                               float *tail) {
+    const float *mv = jb->mins ? mn : sc;
+    const float mf = jb->mins ? 1.0f : -8.0f;
+    v16f t = (v16f){0};
+    i64 g = 0;
+    for (; g + 16 <= groups; g += 16) t += (mf * load16(mv + g)) * load16(xs + g);
+    float v = 0.0f;
+    for (; g < groups; g++) v += mf * mv[g] * xs[g];
+    *tail = v;
+    return t;
+}
+
 /* One row of W against m rows of x (m a compile-time constant after inlining, so the accumulators
  * live in registers). Two accumulators per row of x alternate between groups, so consecutive groups'
  * multiply-adds do not wait for each other. */
@@ -141,8 +164,7 @@ static inline __attribute__((always_inline)) void q4_row(const job_t *jb, i64 j,
     const uint8_t *qj = jb->q + j * (k / 2);
     for (i64 g = 0; g < groups; g += 16) {
         const int n = groups - g < 16 ? (int)(groups - g) : 16;
-        halves(jb->scale + j * groups + g, sc + g, n);
-        halves(jb->mins + j * groups + g, mn + g, n);
+        q4_group_params(jb, j, groups, g, n, sc, mn);
     }
     v16f acc0[MAX_ROWS], acc1[MAX_ROWS];
     for (int r = 0; r < m; r++) acc0[r] = acc1[r] = (v16f){0};
@@ -167,12 +189,9 @@ static inline __attribute__((always_inline)) void q4_row(const job_t *jb, i64 j,
     }
     for (int r = 0; r < m; r++) {
         /* the minimums' term: sum_g min[g] * xsum[r, g], sixteen groups at a time */
-        const float *xs = jb->xsum + r * groups;
-        v16f t = (v16f){0};
-        i64 g = 0;
-        for (; g + 16 <= groups; g += 16) t += load16(mn + g) * load16(xs + g);
-        float v = hsum16(acc0[r] + acc1[r] + t);
-        for (; g < groups; g++) v += mn[g] * xs[g];
+        float tail;
+        const v16f t = q4_min_term(jb, sc, mn, jb->xsum + r * groups, groups, &tail);
+        const float v = hsum16(acc0[r] + acc1[r] + t) + tail;
         float *yr = jb->y + r * jb->ldy + j;
         *yr = jb->accumulate ? *yr + v : v;
     }
@@ -198,8 +217,7 @@ static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i
     const uint8_t *qj = jb->q + j * (k / 2);
     for (i64 g = 0; g < groups; g += 16) {
         const int n = groups - g < 16 ? (int)(groups - g) : 16;
-        halves(jb->scale + j * groups + g, sc + g, n);
-        halves(jb->mins + j * groups + g, mn + g, n);
+        q4_group_params(jb, j, groups, g, n, sc, mn);
     }
     const __m512i low4 = _mm512_set1_epi8(15);
     __m512 acc[MAX_ROWS];
@@ -230,13 +248,9 @@ static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i
         }
     }
     for (int r = 0; r < m; r++) {
-        float v = _mm512_reduce_add_ps(acc[r]);
-        const float *xs = jb->xsum + r * groups;
-        v16f t = (v16f){0};
-        i64 g = 0;
-        for (; g + 16 <= groups; g += 16) t += load16(mn + g) * load16(xs + g);
-        v += hsum16(t);
-        for (; g < groups; g++) v += mn[g] * xs[g];
+        float tail;
+        const v16f t = q4_min_term(jb, sc, mn, jb->xsum + r * groups, groups, &tail);
+        const float v = _mm512_reduce_add_ps(acc[r]) + hsum16(t) + tail;
         float *yr = jb->y + r * jb->ldy + j;
         *yr = jb->accumulate ? *yr + v : v;
     }
@@ -289,7 +303,8 @@ static void q4_dequant_rows(const job_t *jb, i64 j0, i64 j1) {
         const uint8_t *qj = jb->q + j * (k / 2);
         for (i64 b = 0; b < k / BLOCK; b++) {
             const i64 g = b * BLOCK / jb->group;
-            const float s = half_to_float(jb->scale[j * groups + g]), mn = half_to_float(jb->mins[j * groups + g]);
+            const float s = half_to_float(jb->scale[j * groups + g]);
+            const float mn = jb->mins ? half_to_float(jb->mins[j * groups + g]) : -8.0f * s;
             v16b raw = *(const v16bu *)(qj + b * 16);
             v16f lo = u8_to_f(raw & 15) * s + mn;
             v16f hi = u8_to_f(raw >> 4) * s + mn;

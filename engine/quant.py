@@ -11,7 +11,9 @@ another layout repack them at load (`engine.qlinear`).
   float16 `scale` and `min` per row and group of `group` inputs (the last group of a row may be
   shorter). Values are packed two to a byte in blocks of 32 inputs: byte `i` of a block holds input
   `i` in its low nibble and input `i + 16` in its high nibble. That is GGUF's Q4_0/Q4_1 block layout,
-  so those tensors repack without touching a value (`int4_from_gguf`).
+  so those tensors repack without touching a value (`int4_from_gguf`). A symmetric int4 matrix (Q4_0's
+  `w = (q - 8) * scale`) stores no minimums (`min` None: each is `-8 scale`), 18 bytes a block of 32
+  instead of 20.
 - int8: per output row symmetric, `w = q * scale` with `q` in -127..127 and one float32 `scale` a row.
 """
 
@@ -196,17 +198,23 @@ def quantize_int4(w: np.ndarray, group: int = 32, *, search: bool = True, import
     return pack_nibbles(best[0]), best[1], best[2]
 
 
-def dequantize_int4(packed: np.ndarray, scale: np.ndarray, lo: np.ndarray, group: int) -> np.ndarray:
-    """The float32 weights `[n, k]` an int4 triple stands for."""
+def dequantize_int4(packed: np.ndarray, scale: np.ndarray, lo: np.ndarray | None, group: int) -> np.ndarray:
+    """The float32 weights `[n, k]` an int4 triple stands for (`lo` None: symmetric)."""
     q = unpack_nibbles(packed).astype(np.float32)
     k = q.shape[1]
-    return q * _expand(scale.astype(np.float32), k, group) + _expand(lo.astype(np.float32), k, group)
+    s = scale.astype(np.float32)
+    return q * _expand(s, k, group) + _expand(-8.0 * s if lo is None else lo.astype(np.float32), k, group)
 
 
-def int4_from_gguf(raw: np.ndarray, ggml_type: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def symmetric_minimums(scale: np.ndarray) -> np.ndarray:
+    """The float16 minimums a symmetric int4 matrix's scales stand for (`-8 scale`, exact in float16)."""
+    return (scale * np.float16(-8.0)).astype(np.float16)
+
+
+def int4_from_gguf(raw: np.ndarray, ggml_type: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A GGUF tensor's Q4_0 or Q4_1 rows (`raw`: `[n, k / 32 * block bytes]` uint8) as an int4 triple
     of group 32, without re-quantizing: the blocks already are this layout. Q4_1 stores `q * d + m`
-    (scale `d`, min `m`); Q4_0 stores `(q - 8) * d` (scale `d`, min `-8 d`, exact in float16)."""
+    (scale `d`, min `m`); Q4_0 stores `(q - 8) * d`: a symmetric triple (scale `d`, min None)."""
     if ggml_type not in (GGUF_Q4_0, GGUF_Q4_1):
         raise WeightFormatError(f"ggml type {ggml_type} is not Q4_0 or Q4_1")
     _check_cols(k)
@@ -217,7 +225,7 @@ def int4_from_gguf(raw: np.ndarray, ggml_type: int, k: int) -> tuple[np.ndarray,
         m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16).reshape(n, nb)
         qs = blocks[:, :, 4:20]
     else:
-        m = (d * np.float16(-8.0)).astype(np.float16)
+        m = None
         qs = blocks[:, :, 2:18]
     return np.ascontiguousarray(qs).reshape(n, k // 2), d.copy(), m
 
@@ -260,7 +268,8 @@ def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def stored_bytes(fmt: WeightFormat, n: int, k: int, *, head: bool = False) -> int:
-    """Bytes one `[n, k]` matrix takes stored in `fmt` (the LM head in the head's format)."""
+    """Bytes one `[n, k]` matrix takes stored in `fmt` (the LM head in the head's format; int4 with its
+    minimums: a symmetric matrix takes `2 n G` fewer)."""
     name = fmt.head if head and fmt.quantized else fmt.name
     if name == "int8":
         return n * k + 4 * n
@@ -271,6 +280,6 @@ def stored_bytes(fmt: WeightFormat, n: int, k: int, *, head: bool = False) -> in
 
 __all__ = [
     "WEIGHT_FORMATS", "HEAD_FORMATS", "BLOCK", "WeightFormat", "WeightFormatError", "quantize_int4",
-    "dequantize_int4", "int4_from_gguf", "dequantize_gguf", "quantize_int8", "dequantize_int8",
+    "dequantize_int4", "symmetric_minimums", "int4_from_gguf", "dequantize_gguf", "quantize_int8", "dequantize_int8",
     "pack_nibbles", "unpack_nibbles", "groups_of", "gguf_row_bytes", "stored_bytes",
 ]

@@ -13,7 +13,8 @@ source tensor (or, for the embedding table, one slice of rows) at a time is read
 reads, converted and written at its offset, so the memory a conversion takes stays near the output's
 size plus one tensor, whatever the checkpoint's size. When the checkpoint was converted from a GGUF
 whose tensors are Q4_0 or Q4_1 and the format is int4 at group 32, those blocks are repacked as they
-are (no value changes); everything else is quantized from the checkpoint's float values.
+are (no value changes; Q4_0's symmetric, without minimums); everything else is quantized from the
+checkpoint's float values.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from engine.loader import (MANIFEST, cache_root, fused_weights, publish, read_sa
                            source_stamp)
 from engine.quant import WeightFormat
 
-WEIGHTS_FORMAT = "llmaas-weights-1"
-"""The converted file's format tag."""
+WEIGHTS_FORMAT = "llmaas-weights-2"
+"""The converted file's format tag (2: Q4_0 sources stored without minimums; files of 1 are rebuilt)."""
 EMBED_SLICE_ROWS = 4096
 """Rows of a large table converted at a time (bounds conversion memory)."""
 
@@ -112,8 +113,8 @@ class _Gguf:
             return None
         return cls(source, cfg.get("model_type", ""), heads, kv_heads)
 
-    def int4(self, hf_name: str, rows: int, k: int):
-        """The int4 triple of a checkpoint tensor from its Q4_0/Q4_1 blocks, or None."""
+    def _tensor(self, hf_name: str, rows: int, k: int):
+        """(GGUF name, its entry) of a checkpoint tensor held as Q4_0/Q4_1 blocks of its shape, or None."""
         parts = hf_name.split(".")  # model.layers.{i}.{module}.{proj}.weight
         if len(parts) != 6 or parts[1] != "layers":
             return None
@@ -121,13 +122,26 @@ class _Gguf:
         t = self.tensors.get(f"blk.{parts[2]}.{name}.weight") if name else None
         if t is None or t[0] not in (quant.GGUF_Q4_0, quant.GGUF_Q4_1) or t[3] != [k, rows]:
             return None
+        return name, t
+
+    def symmetric(self, hf_name: str, rows: int, k: int) -> bool:
+        """Whether the tensor is Q4_0 blocks (repacked as a symmetric int4 triple: no minimums)."""
+        found = self._tensor(hf_name, rows, k)
+        return found is not None and found[1][0] == quant.GGUF_Q4_0
+
+    def int4(self, hf_name: str, rows: int, k: int):
+        """The int4 triple of a checkpoint tensor from its Q4_0/Q4_1 blocks, or None."""
+        found = self._tensor(hf_name, rows, k)
+        if found is None:
+            return None
+        name, t = found
         with open(self.path, "rb") as fh:
             raw = np.frombuffer(os.pread(fh.fileno(), t[2], t[1]), dtype=np.uint8)
         triple = quant.int4_from_gguf(raw.reshape(rows, -1), t[0], k)
         if self.permute and name in ("attn_q", "attn_k"):
             heads = self.heads if name == "attn_q" else self.kv_heads
             order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
-            triple = tuple(np.ascontiguousarray(a[order]) for a in triple)
+            triple = tuple(None if a is None else np.ascontiguousarray(a[order]) for a in triple)
         return triple
 
 
@@ -167,7 +181,13 @@ class _Writer:
         self.fh.close()
 
 
-def _specs(piece: Piece, ck: _Checkpoint, fmt: WeightFormat, tied: bool) -> list[tuple[str, np.dtype, tuple]]:
+def _symmetric(piece: Piece, ck: _Checkpoint, gguf: _Gguf | None) -> bool:
+    """Whether an int4 piece is stored symmetric: every source is Q4_0 blocks in the GGUF (repacked)."""
+    return gguf is not None and all(gguf.symmetric(s, *ck.shape(s)) for s in piece.sources)
+
+
+def _specs(piece: Piece, ck: _Checkpoint, fmt: WeightFormat, tied: bool,
+           gguf: _Gguf | None) -> list[tuple[str, np.dtype, tuple]]:
     shapes = [ck.shape(s) for s in piece.sources]
     rows = sum(s[0] for s in shapes)
     if piece.kind == "vector":
@@ -176,8 +196,8 @@ def _specs(piece: Piece, ck: _Checkpoint, fmt: WeightFormat, tied: bool) -> list
     kind = _stored_as(piece, fmt, tied, ck)
     if kind == "int4":
         g = quant.groups_of(k, fmt.group)
-        return [(f"{piece.name}.q", np.uint8, (rows, k // 2)), (f"{piece.name}.scale", np.float16, (rows, g)),
-                (f"{piece.name}.min", np.float16, (rows, g))]
+        specs = [(f"{piece.name}.q", np.uint8, (rows, k // 2)), (f"{piece.name}.scale", np.float16, (rows, g))]
+        return specs if _symmetric(piece, ck, gguf) else specs + [(f"{piece.name}.min", np.float16, (rows, g))]
     if kind == "int8":
         return [(f"{piece.name}.q", np.int8, (rows, k)), (f"{piece.name}.scale", np.float32, (rows,))]
     if kind == "bf16":
@@ -214,7 +234,8 @@ def _to_bf16(a: np.ndarray) -> np.ndarray:
 def _convert(pieces: list[Piece], ck: _Checkpoint, gguf: _Gguf | None, fmt: WeightFormat, tied: bool,
              writer: _Writer, progress: Callable[[int], None], given: dict | None = None) -> str:
     """Fill the writer; returns `repacked` when every int4 matrix came from GGUF blocks as they are.
-    `given`: int4 triples already made for some pieces (by name), written as they are."""
+    `given`: int4 triples already made for some pieces (by name), written as they are. A piece whose
+    sources are all Q4_0 is written symmetric (no `.min`, as `_specs` laid it out)."""
     repacked = fmt.name == "int4" and fmt.group == quant.BLOCK and gguf is not None
     for i, piece in enumerate(pieces):
         kind = _stored_as(piece, fmt, tied, ck)
@@ -227,14 +248,17 @@ def _convert(pieces: list[Piece], ck: _Checkpoint, gguf: _Gguf | None, fmt: Weig
             shape = ck.shape(src)
             step = EMBED_SLICE_ROWS if len(shape) > 1 else 1
             rows = shape[0] if len(shape) > 1 else 1
-            if kind == "int4" and repacked:
-                triple = gguf.int4(src, shape[0], shape[1])
-                if triple is None:
-                    repacked = False
-                else:
-                    for suffix, a in zip((".q", ".scale", ".min"), triple):
+            triple = gguf.int4(src, shape[0], shape[1]) if kind == "int4" and gguf is not None else None
+            if kind == "int4":
+                repacked = repacked and triple is not None
+            if triple is not None:
+                q, scale, lo = triple
+                if lo is None and piece.name + ".min" in writer.where:  # Q4_0 fused with Q4_1 rows
+                    lo = quant.symmetric_minimums(scale)
+                for suffix, a in zip((".q", ".scale", ".min"), (q, scale, lo)):
+                    if a is not None:
                         writer.append(piece.name + suffix, a)
-                    continue
+                continue
             for r0 in range(0, rows, step):
                 a = ck.read(src, r0, min(rows, r0 + step)) if len(shape) > 1 else ck.read(src)
                 if kind == "int4":
@@ -293,7 +317,7 @@ def _build(directory, target, fingerprint, fmt, pieces, tied, heads, kv_heads, s
     ck = _Checkpoint(directory)
     gguf = (_Gguf.of(directory, heads, kv_heads) if fmt.name == "int4" and fmt.group == quant.BLOCK
             and not fmt.calibrated else None)
-    specs = [s for p in pieces for s in _specs(p, ck, fmt, tied)]
+    specs = [s for p in pieces for s in _specs(p, ck, fmt, tied, gguf)]
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     meta = {"format": WEIGHTS_FORMAT, "weights": fmt.tag, "fingerprint": fingerprint, "source": stamp}
     if fmt.calibrated:

@@ -1,0 +1,88 @@
+"""int4 weights repacked from Q4_0 blocks are stored symmetric (no minimums: 18 bytes a block of 32,
+not 20) and compute exactly what the same weights with their minimums compute, on every CPU path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("private_model_cache")
+
+
+CFG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, initializer_range=0.08)
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+@pytest.fixture(scope="module")
+def q4_0_model(tmp_path_factory):
+    """A small random Llama checkpoint converted "from" a GGUF whose layers are Q4_0 blocks (the manifest
+    names the GGUF as its source, as engine.loader's conversion writes it): (directory, fingerprint)."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.loader import MANIFEST
+
+    root = tmp_path_factory.mktemp("q4_0")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CFG, tie_word_embeddings=False)).eval()
+    model.save_pretrained(root / "llama")
+    writer = gguf.GGUFWriter(str(root / "model-Q4_0.gguf"), "llama")
+    for name, t in model.state_dict().items():
+        parts = name.split(".")
+        if len(parts) == 6 and f"{parts[3]}.{parts[4]}" in GGUF_NAMES:
+            w = t.float().numpy()
+            writer.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[parts[3] + '.' + parts[4]]}.weight",
+                              gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+    (root / "llama" / MANIFEST).write_text(json.dumps({"source": str(root / "model-Q4_0.gguf")}))
+    return root / "llama"
+
+
+def _load(directory, **options):
+    from engine.config import EngineConfig
+    from engine.model import Transformer
+
+    return Transformer.from_directory(directory, EngineConfig(device="cpu", weights="int4", **options),
+                                      fingerprint="q4-0-test")
+
+
+def test_q4_0_layers_are_stored_and_read_without_minimums(q4_0_model):
+    from engine.loader import cache_root, read_safetensors
+
+    sym, asym = _load(q4_0_model), _load(q4_0_model, symmetric_int4=False)
+    stored = read_safetensors(cache_root() / "fused", only="q4-0-test-int4-g32.safetensors")
+    assert "layers.0.wqkv.q" in stored and "layers.0.wqkv.scale" in stored
+    assert not any(name.endswith(".min") for name in stored), sorted(n for n in stored if n.endswith(".min"))
+    for a, b in zip(sym.w.layers, asym.w.layers):
+        for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+            s, m = getattr(a, name), getattr(b, name)
+            assert s.mins is None and m.mins is not None, name
+            assert torch.equal(m.mins.float(), -8 * s.scale.float()), name
+            assert s.resident_bytes() * 20 == m.resident_bytes() * 18, name
+            assert torch.equal(s.dequantized(), m.dequantized()), name
+            assert torch.equal(s.dequantized(torch.bfloat16), m.dequantized(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_symmetric_and_asymmetric_forms_give_the_same_logits(q4_0_model, fused):
+    """Prefill (many rows) and decode passes of one and three rows, fused layers and the torch layer:
+    the minimums' term is computed from the scales in the same float32 arithmetic, so bit for bit."""
+    sym, asym = _load(q4_0_model, fused_decode=fused), _load(q4_0_model, fused_decode=fused, symmetric_int4=False)
+    prompt = np.random.default_rng(3).integers(0, CFG["vocab_size"], 40).tolist()
+    caches = [m.new_cache(64) for m in (sym, asym)]
+    outs = [m.forward(c, prompt) for m, c in zip((sym, asym), caches)]
+    assert torch.equal(outs[0], outs[1])
+    for step in ([int(outs[0].argmax())], [5, 6, 7]):
+        outs = [m.forward(c, step) for m, c in zip((sym, asym), caches)]
+        assert torch.equal(outs[0], outs[1]), step
+    assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
