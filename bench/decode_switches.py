@@ -8,7 +8,8 @@ with the round-to-round spread (median absolute deviation). A switch is worth ke
 more than twice that spread (the project's rule for speed-only optimisations).
 
 The switches: `weight_prefetch_rows` (the int4 and int8 products of engine/qmatmul.c prefetching the
-weight's rows ahead; acts on quantized formats only), `int8_activations` (int4 products with their
+weight's rows ahead; acts on quantized formats only; the variant is the other side of the host's
+default, `engine.qlinear.host_prefetch_rows`: 0 where it prefetches, `WEIGHT_PREFETCH_ROWS` where not), `int8_activations` (int4 products with their
 rows quantized to int8, W4A8, where AVX-512 VNNI is compiled; int4 only), `symmetric_int4` (int4
 repacked from Q4_0 blocks read without minimums; acts only on a Q4_0 GGUF's int4, e.g. bench.quantized's
 `default-Q4_0.gguf` or the 1.2B shape's `model-Q4_0.gguf`) and `fused_decode` (each layer of a decode
@@ -30,13 +31,13 @@ from pathlib import Path
 NAME = "decode-switches"
 HEADING = "## Tuning at the edge"
 SWITCHES = {
-    "weight_prefetch_rows 0": {"weight_prefetch_rows": 0},
+    "weight_prefetch_rows flipped": {"weight_prefetch_rows": "flip"},
     "int8_activations off": {"int8_activations": False},
     "symmetric_int4 off": {"symmetric_int4": False},
     "fused_decode off": {"fused_decode": False},
 }
 """Variant label -> the `EngineConfig` options that turn one switch off."""
-APPLIES = {"weight_prefetch_rows 0": ("int4", "int8"), "int8_activations off": ("int4",),
+APPLIES = {"weight_prefetch_rows flipped": ("int4", "int8"), "int8_activations off": ("int4",),
            "symmetric_int4 off": ("int4",), "fused_decode off": ("fp32", "bf16", "int4", "int8")}
 """Variant label -> the weight formats (by prefix) the switch acts on."""
 
@@ -60,7 +61,8 @@ def main(argv=None) -> int:
 
     from bench.quantized import cpu_line
     from bench.tuning import mad, verdict
-    from engine.config import EngineConfig
+    from engine.config import WEIGHT_PREFETCH_ROWS, EngineConfig
+    from engine.qlinear import host_prefetch_rows
     from engine.loader import resolve_model
     from engine.model import Transformer
 
@@ -81,9 +83,13 @@ def main(argv=None) -> int:
             out.append(tok)
         return (time.perf_counter() - t) / args.decode_tokens * 1e3, out
 
+    flipped = 0 if host_prefetch_rows() else WEIGHT_PREFETCH_ROWS
+    switches = {k.replace("flipped", str(flipped)): {o: flipped if v == "flip" else v for o, v in opts.items()}
+                for k, opts in SWITCHES.items()}
+    applies = {k.replace("flipped", str(flipped)): v for k, v in APPLIES.items()}
     tables = []
     for fmt in args.formats:
-        variants = {"default": {}} | {k: v for k, v in SWITCHES.items() if fmt.startswith(APPLIES[k])}
+        variants = {"default": {}} | {k: v for k, v in switches.items() if fmt.startswith(applies[k])}
         models = {label: Transformer.from_directory(resolved.directory, EngineConfig(device="cpu", weights=fmt, **opts),
                                                     fingerprint=resolved.fingerprint)
                   for label, opts in variants.items()}

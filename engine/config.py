@@ -22,7 +22,7 @@ KV8_SCALE_BYTES = 4
 
 WEIGHT_PREFETCH_ROWS = 4
 """Rows of a quantized weight ahead of the current one that the compiled decode products prefetch
-(`EngineConfig.weight_prefetch_rows`'s default; docs/benchmarks.md, "Tuning at the edge")."""
+where they do (`EngineConfig.weight_prefetch_rows`; docs/benchmarks.md, "Tuning at the edge")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +159,13 @@ class EngineConfig:
     prefill and recompute attention (16 rows or more) take their two products, Q K^T and P V, in
     bfloat16 (engine/attention_bf16.c; softmax, sums and density stay float32); False keeps them float32
     (engine/attention.c)."""
-    weight_prefetch_rows: int = WEIGHT_PREFETCH_ROWS
+    weight_prefetch_rows: int | None = None
     """int4 and int8 products of few rows on the CPU (decode) ask for the weight's row this many rows
-    ahead of the one they multiply to come into the cache (engine/qmatmul.c): int8 decode of the default
-    model 22 against 29 ms a token (docs/benchmarks.md, "Tuning at the edge"); 0: no software prefetch."""
+    ahead of the one they multiply to come into the cache (engine/qmatmul.c); 0: no software prefetch;
+    None: the host's default (`engine.qlinear.host_prefetch_rows`): `WEIGHT_PREFETCH_ROWS` on Intel
+    CPUs (the Xeon's int8 decode of the default model 22 against 29 ms a token), 0 on AMD ones (the
+    EPYC's decode at the 1.2B shape 1-2 ms a token faster in int4 without it, 4-7 in int8;
+    docs/benchmarks.md, "Tuning at the edge")."""
     symmetric_int4: bool = True
     """int4 weights repacked from Q4_0 blocks are read without minimums (each is -8 times its scale:
     18 bytes a block of 32 instead of 20, so decode streams a tenth less); False gives them their
@@ -215,7 +218,7 @@ class EngineConfig:
             raise ValueError("prefill_partition_rows must be >= 0")
         if self.lookup_draft < 0:
             raise ValueError("lookup_draft must be >= 0 (0: no lookup decoding)")
-        if self.weight_prefetch_rows < 0:
+        if self.weight_prefetch_rows is not None and self.weight_prefetch_rows < 0:
             raise ValueError("weight_prefetch_rows must be >= 0 (0: no prefetch)")
         if self.weights_resident_bytes is not None and self.weights_resident_bytes < 0:
             raise ValueError("weights_resident_bytes must be >= 0 (None: every weight resident)")

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.config import WEIGHT_PREFETCH_ROWS, EngineConfig, ModelConfig, resolve_device_dtype
+from engine.config import EngineConfig, ModelConfig, resolve_device_dtype
 from engine.fused_decode import fused_step
 from engine.kvcache import KVCache
 from engine.kvspill import RowSpill
@@ -141,7 +141,7 @@ class RecomputeJob:
 
 def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
                  fmt: WeightFormat | None = None, *, int8_activations: bool = True, copy: bool = False,
-                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS, bf16_rows: bool = False, symmetric_int4: bool = True) -> Weights:
+                 prefetch_rows: int | None = None, bf16_rows: bool = False, symmetric_int4: bool = True) -> Weights:
     """Build engine weights from engine-layout arrays (float ones from `fuse_hf`, or a weight format's
     from engine.weightcache). On the CPU nothing already in its compute type is copied: the tensors
     view the arrays (a read-only mmap shares its pages with every process on the node). bf16 weights

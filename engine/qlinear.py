@@ -47,12 +47,21 @@ from engine.threads import load_on_torch_team
 from engine.quant import BLOCK, groups_of
 
 _KERNELS: list = []  # [library or None]: engine/qmatmul.c, built on first use
+
+
 def bf16_products_here() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (Linux's flags `avx512_bf16` or `amx_bf16`), so
     a bfloat16 GEMM runs about 2x (AVX-512 BF16) to 7x (AMX) a float32 one; elsewhere oneDNN converts and
     gains nothing. False where /proc/cpuinfo cannot be read."""
     flags = native.cpu_model_and_flags()[1]
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def host_prefetch_rows() -> int:
+    """Rows ahead the decode products prefetch by default here (`EngineConfig.weight_prefetch_rows`
+    None): `WEIGHT_PREFETCH_ROWS`, but none on AMD CPUs, where it made decode slower (measured on an
+    EPYC; docs/benchmarks.md, "Tuning at the edge")."""
+    return 0 if "AMD" in native.cpu_model_and_flags()[0].split() else WEIGHT_PREFETCH_ROWS
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -184,7 +193,8 @@ class _QuantLinear(Linear):
 
     __slots__ = ("lib", "threads_fn", "max_rows", "prefetch_rows", "bf16_rows")
 
-    def _setup(self, device: torch.device, bias, prefetch_rows: int, bf16_rows: bool) -> None:
+    def _setup(self, device: torch.device, bias, prefetch_rows: int | None, bf16_rows: bool) -> None:
+        prefetch_rows = host_prefetch_rows() if prefetch_rows is None else prefetch_rows
         if prefetch_rows < 0:
             raise ValueError(f"prefetch_rows must be >= 0, not {prefetch_rows}")
         self.bias = bias
@@ -245,7 +255,7 @@ class Int4Linear(_QuantLinear):
 
     def __init__(self, q, scale, mins, group: int, *, bias=None, device=torch.device("cpu"),
                  int8_activations: bool = True, device_pack: bool = False,
-                 prefetch_rows: int = WEIGHT_PREFETCH_ROWS, bf16_rows: bool = False) -> None:
+                 prefetch_rows: int | None = None, bf16_rows: bool = False) -> None:
         device = torch.device(device)
         self.q, self.scale = _tensor(q), _tensor(scale)  # uint8 [n, k/2], fp16 [n, G]
         self.mins = None if mins is None else _tensor(mins)  # fp16 [n, G], or None: symmetric
@@ -336,7 +346,7 @@ class Int8Linear(_QuantLinear):
 
     __slots__ = ("q", "scale")
 
-    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu"), prefetch_rows: int = WEIGHT_PREFETCH_ROWS,
+    def __init__(self, q, scale, *, bias=None, device=torch.device("cpu"), prefetch_rows: int | None = None,
                  bf16_rows: bool = False) -> None:
         self.q = _tensor(q).to(device)  # [n, k] int8
         self.scale = _tensor(scale).to(device)  # [n] float32
