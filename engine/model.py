@@ -167,8 +167,9 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
         b = get(bias) if bias else None
         if name + ".q" in arrays and arrays[name + ".q"].dtype == np.uint8:  # int4 (no .min: symmetric)
             lo = arrays.get(name + ".min")
-            lo = own(lo) if lo is not None else None if symmetric_int4 else symmetric_minimums(arrays[name + ".scale"])
-            return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), lo, fmt.group,
+            if lo is None and not symmetric_int4:
+                lo = symmetric_minimums(arrays[name + ".scale"])
+            return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), lo if lo is None else own(lo), fmt.group,
                               bias=b, device=device, int8_activations=int8_activations,
                               device_pack=dtype == torch.bfloat16, prefetch_rows=prefetch_rows, bf16_rows=bf16_rows)
         if name + ".q" in arrays:
