@@ -19,41 +19,68 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.down_proj": "ffn_down"}
 
 
-@pytest.fixture(scope="module")
-def q4_0_model(tmp_path_factory):
-    """A small random Llama checkpoint converted "from" a GGUF whose layers are Q4_0 blocks (the manifest
-    names the GGUF as its source, as engine.loader's conversion writes it): (directory, fingerprint)."""
+def _written(root, q4_1: tuple[str, ...] = ()):
+    """A small random Llama checkpoint converted "from" a GGUF whose layers are Q4_0 blocks (Q4_1 for the
+    GGUF names in `q4_1`); the manifest names the GGUF as its source, as engine.loader's conversion
+    writes it. Returns (checkpoint directory, {GGUF name: the GGUF's de-quantized values})."""
     gguf = pytest.importorskip("gguf")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.loader import MANIFEST
 
-    root = tmp_path_factory.mktemp("q4_0")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CFG, tie_word_embeddings=False)).eval()
     model.save_pretrained(root / "llama")
-    writer = gguf.GGUFWriter(str(root / "model-Q4_0.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(root / "model.gguf"), "llama")
+    values = {}
     for name, t in model.state_dict().items():
         parts = name.split(".")
         if len(parts) == 6 and f"{parts[3]}.{parts[4]}" in GGUF_NAMES:
-            w = t.float().numpy()
-            writer.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[parts[3] + '.' + parts[4]]}.weight",
-                              gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            gname = f"blk.{parts[2]}.{GGUF_NAMES[parts[3] + '.' + parts[4]]}.weight"
+            qtype = gguf.GGMLQuantizationType.Q4_1 if GGUF_NAMES[parts[3] + '.' + parts[4]] in q4_1 \
+                else gguf.GGMLQuantizationType.Q4_0
+            raw = gguf.quants.quantize(t.float().numpy(), qtype)
+            values[gname] = gguf.quants.dequantize(raw, qtype)
+            writer.add_tensor(gname, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
     writer.close()
-    (root / "llama" / MANIFEST).write_text(json.dumps({"source": str(root / "model-Q4_0.gguf")}))
-    return root / "llama"
+    (root / "llama" / MANIFEST).write_text(json.dumps({"source": str(root / "model.gguf")}))
+    return root / "llama", values
 
 
-def _load(directory, **options):
+@pytest.fixture(scope="module")
+def q4_0_model(tmp_path_factory):
+    return _written(tmp_path_factory.mktemp("q4_0"))[0]
+
+
+def _load(directory, fingerprint: str = "q4-0-test", **options):
     from engine.config import EngineConfig
     from engine.model import Transformer
 
     return Transformer.from_directory(directory, EngineConfig(device="cpu", weights="int4", **options),
-                                      fingerprint="q4-0-test")
+                                      fingerprint=fingerprint)
+
+
+def test_q4_0_fused_with_q4_1_rows_is_stored_with_minimums(tmp_path):
+    """Q, K and V are one engine matrix: with V in Q4_1 it keeps minimums, Q4_0's rows given theirs
+    (-8 scale), every value the GGUF's; the layer's other matrices stay symmetric."""
+    directory, values = _written(tmp_path, q4_1=("attn_v",))
+    m = _load(directory, fingerprint="q4-mixed-test")
+    heads, kv_heads = CFG["num_attention_heads"], CFG["num_key_value_heads"]
+
+    def rope_order(w, h):  # the rows as engine.weightcache un-permutes llama.cpp's rope order
+        n = w.shape[0]
+        return w[np.arange(n).reshape(h, n // h // 2, 2).swapaxes(2, 1).reshape(n)]
+
+    for i, layer in enumerate(m.w.layers):
+        want = np.concatenate([rope_order(values[f"blk.{i}.attn_q.weight"], heads),
+                               rope_order(values[f"blk.{i}.attn_k.weight"], kv_heads),
+                               values[f"blk.{i}.attn_v.weight"]])
+        assert layer.wqkv.mins is not None and layer.wo.mins is None and layer.w_down.mins is None
+        assert np.array_equal(layer.wqkv.dequantized().numpy(), want), i
+        assert np.array_equal(layer.wo.dequantized().numpy(), values[f"blk.{i}.attn_output.weight"]), i
 
 
 def test_q4_0_layers_are_stored_and_read_without_minimums(q4_0_model):
