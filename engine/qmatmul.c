@@ -139,18 +139,24 @@ static inline void q4_group_params(const job_t *jb, i64 j, i64 groups, i64 g, in
     if (jb->mins) halves(jb->mins + j * groups + g, mn + g, n);
 }
 
-/* sum_g min[g] * xs[g] as 16 lanes (`*tail`: the groups past the last 16), min[g] = mf * mv[g]: the row's
+/* sum_g min[g] * xs[g] as 16 lanes to be summed with the row's products, min[g] = mf * mv[g]: the row's
  * minimums (mf 1) or its scales (mf -8, symmetric; exact, so both forms give the same bits). */
-static inline v16f q4_min_term(const job_t *jb, const float *sc, const float *mn, const float *xs, i64 groups,
-                               float *tail) {
+static inline v16f q4_min_term(const job_t *jb, const float *sc, const float *mn, const float *xs, i64 groups) {
     const float *mv = jb->mins ? mn : sc;
     const float mf = jb->mins ? 1.0f : -8.0f;
     v16f t = (v16f){0};
     i64 g = 0;
     for (; g + 16 <= groups; g += 16) t += (mf * load16(mv + g)) * load16(xs + g);
-    float v = 0.0f;
-    for (; g < groups; g++) v += mf * mv[g] * xs[g];
-    *tail = v;
+    if (g < groups) {
+#if defined(__AVX512F__)
+        const __mmask16 left = (__mmask16)((1u << (groups - g)) - 1);
+        t += (mf * (v16f)_mm512_maskz_loadu_ps(left, mv + g)) * (v16f)_mm512_maskz_loadu_ps(left, xs + g);
+#else
+        float v = 0.0f;
+        for (; g < groups; g++) v += mf * mv[g] * xs[g];
+        t[0] += v;
+#endif
+    }
     return t;
 }
 
@@ -189,9 +195,7 @@ static inline __attribute__((always_inline)) void q4_row(const job_t *jb, i64 j,
     }
     for (int r = 0; r < m; r++) {
         /* the minimums' term: sum_g min[g] * xsum[r, g], sixteen groups at a time */
-        float tail;
-        const v16f t = q4_min_term(jb, sc, mn, jb->xsum + r * groups, groups, &tail);
-        const float v = hsum16(acc0[r] + acc1[r] + t) + tail;
+        const float v = hsum16(acc0[r] + acc1[r] + q4_min_term(jb, sc, mn, jb->xsum + r * groups, groups));
         float *yr = jb->y + r * jb->ldy + j;
         *yr = jb->accumulate ? *yr + v : v;
     }
@@ -248,9 +252,8 @@ static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i
         }
     }
     for (int r = 0; r < m; r++) {
-        float tail;
-        const v16f t = q4_min_term(jb, sc, mn, jb->xsum + r * groups, groups, &tail);
-        const float v = _mm512_reduce_add_ps(acc[r]) + hsum16(t) + tail;
+        const v16f t = q4_min_term(jb, sc, mn, jb->xsum + r * groups, groups);
+        const float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], (__m512)t));
         float *yr = jb->y + r * jb->ldy + j;
         *yr = jb->accumulate ? *yr + v : v;
     }
