@@ -219,20 +219,30 @@ static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i
     const i64 k = jb->k, group = jb->group, groups = (k + group - 1) / group;
     const i64 nblocks = k / BLOCK, xstride = (nblocks + 3) / 4 * XQ_STEP;
     const uint8_t *qj = jb->q + j * (k / 2);
-    for (i64 g = 0; g < groups; g += 16) {
+    /* groups of one block: the scales and minimums go from their halves straight into registers, and
+     * the minimums' term is summed beside the products (no trip through `sc` and `mn`) */
+    const int direct = group == BLOCK;
+    for (i64 g = 0; g < groups && !direct; g += 16) {
         const int n = groups - g < 16 ? (int)(groups - g) : 16;
         q4_group_params(jb, j, groups, g, n, sc, mn);
     }
     const __m512i low4 = _mm512_set1_epi8(15);
-    __m512 acc[MAX_ROWS];
-    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS], mt[MAX_ROWS];
+    for (int r = 0; r < m; r++) acc[r] = mt[r] = _mm512_setzero_ps();
     for (i64 b0 = 0; b0 < nblocks; b0 += 16) {
         const i64 nb = nblocks - b0 < 16 ? nblocks - b0 : 16;
         const __mmask16 bm = (__mmask16)((1u << nb) - 1);
         /* W's scale of each of these 16 blocks (its group's) */
-        const __m512 ws = group == BLOCK ? _mm512_maskz_loadu_ps(bm, sc + b0)
-                                         : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), bm,
-                                                                    _mm512_maskz_loadu_epi32(bm, jb->gidx + b0), sc, 4);
+        __m512 ws;
+        if (direct) {
+            ws = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, jb->scale + j * groups + b0));
+            const __m512 mv = jb->mins ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, jb->mins + j * groups + b0))
+                                       : _mm512_mul_ps(ws, _mm512_set1_ps(-8.0f)); /* exact: the same bits */
+            for (int r = 0; r < m; r++)
+                mt[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(bm, jb->xsum + r * groups + b0), mt[r]);
+        } else {
+            ws = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), bm, _mm512_maskz_loadu_epi32(bm, jb->gidx + b0), sc, 4);
+        }
         __m512 cs[MAX_ROWS];
         for (int r = 0; r < m; r++) cs[r] = _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(bm, jb->xd + r * nblocks + b0));
         __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -252,8 +262,8 @@ static inline __attribute__((always_inline)) void q4_row_vnni(const job_t *jb, i
         }
     }
     for (int r = 0; r < m; r++) {
-        const v16f t = q4_min_term(jb, sc, mn, jb->xsum + r * groups, groups);
-        const float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], (__m512)t));
+        const __m512 t = direct ? mt[r] : (__m512)q4_min_term(jb, sc, mn, jb->xsum + r * groups, groups);
+        const float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], t));
         float *yr = jb->y + r * jb->ldy + j;
         *yr = jb->accumulate ? *yr + v : v;
     }
