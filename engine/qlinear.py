@@ -89,8 +89,9 @@ def kernels():
 
 def decode_rows(linears) -> int:
     """Most rows one pass may give all of `linears` with each row computed in decode's way: the compiled
-    int4/int8 products take up to their `max_rows` float32 rows, and more go through de-quantized
-    weights (slower a product, rounded otherwise); 0 where none sets a bound (float weights, devices)."""
+    products (fp32, bf16, int8, int4) take up to their `max_rows` float32 rows, and more go through
+    torch's GEMM or de-quantized weights (sums in another order, or rounded); 0 where none sets a bound
+    (devices, no compiled kernels)."""
     return min((n for n in (getattr(lin, "max_rows", 0) for lin in linears) if n), default=0)
 
 
@@ -104,9 +105,11 @@ def _tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 
 class Linear:
-    """`y = x W^T + b` for one weight matrix `[n, k]`. Subclasses hold the weight in one format."""
+    """`y = x W^T + b` for one weight matrix `[n, k]`. Subclasses hold the weight in one format; those
+    with a compiled product of few rows (`lib`, up to `max_rows` float32 rows on the CPU; 0: none)
+    dispatch to it through `_compiled_rows` and `_compiled`."""
 
-    __slots__ = ("n", "k", "bias")
+    __slots__ = ("n", "k", "bias", "lib", "max_rows")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -114,6 +117,33 @@ class Linear:
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`out += x W^T + b` in place (the residual adds of a decoder layer); returns `out`."""
         return out.add_(self(x))
+
+    def _compiled_rows(self, x: torch.Tensor) -> bool:
+        """Whether the compiled product takes rows `x`: float32, at most `max_rows` of them."""
+        return x.dtype == torch.float32 and x.dim() == 2 and 0 < x.shape[0] <= self.max_rows
+
+    def _compiled(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`x W^T` by the compiled product: a new float32 tensor, or added into `out` (float32, rows
+        contiguous), which is returned."""
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if out is None:
+            out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+            self._product(x, out, accumulate=False)
+        else:
+            self._product(x, out, accumulate=True)
+        return out
+
+    def _compiled_into(self, out: torch.Tensor, x: torch.Tensor) -> bool:
+        """`add_into`'s compiled way where it applies (no bias, rows it takes, a float32 `out` whose
+        rows are contiguous): done, True; else False."""
+        if self.bias is None and self._compiled_rows(x) and out.dtype == torch.float32 and out.stride(-1) == 1:
+            self._compiled(x, out)
+            return True
+        return False
+
+    def _product(self, x: torch.Tensor, y: torch.Tensor, *, accumulate: bool) -> None:
+        """The compiled product (CPU, float32 rows with contiguous inputs): `y = x W^T`, or `y += x W^T`."""
+        raise NotImplementedError
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
         """The weight as a float tensor `[n, k]` (a copy for quantized formats)."""
@@ -135,7 +165,7 @@ class FloatLinear(Linear):
     (docs/benchmarks.md, "Tuning at the edge"); more rows run `F.linear`, where under a float32
     compute dtype a bf16 weight takes bf16 rows."""
 
-    __slots__ = ("weight", "lib", "max_rows")
+    __slots__ = ("weight",)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
@@ -146,12 +176,7 @@ class FloatLinear(Linear):
         self.lib = kernels() if compiled else None
         self.max_rows = self.lib.qm_max_rows() if self.lib is not None else 0
 
-    def _few(self, x: torch.Tensor) -> bool:
-        """Whether the compiled product takes rows `x`."""
-        return x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= self.max_rows
-
     def _product(self, x: torch.Tensor, y: torch.Tensor, *, accumulate: bool) -> None:
-        x = x if x.stride(-1) == 1 else x.contiguous()
         rc = self.lib.f_matmul(x.data_ptr(), x.shape[0], x.stride(0), self.k, self.weight.data_ptr(),
                                int(self.weight.dtype == torch.bfloat16), self.n, y.data_ptr(), y.stride(0),
                                int(accumulate), torch.get_num_threads(), 0)
@@ -159,9 +184,8 @@ class FloatLinear(Linear):
             raise RuntimeError("float product refused its arguments")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._few(x):
-            y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-            self._product(x, y, accumulate=False)
+        if self._compiled_rows(x):
+            y = self._compiled(x)
             return y if self.bias is None else y.add_(self.bias)
         if x.dtype != self.weight.dtype:
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
@@ -169,8 +193,7 @@ class FloatLinear(Linear):
         return F.linear(x, self.weight, self.bias)
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and self._few(x) and out.dtype == torch.float32 and out.stride(-1) == 1:
-            self._product(x, out, accumulate=True)
+        if self._compiled_into(out, x):
             return out
         if self.bias is None and x.dtype == self.weight.dtype == out.dtype:
             return out.addmm_(x, self.weight.t())
@@ -191,7 +214,7 @@ class _QuantLinear(Linear):
     """Shared dispatch of the quantized formats: few float32 rows on the CPU to the compiled product,
     the rest through a de-quantized weight."""
 
-    __slots__ = ("lib", "threads_fn", "max_rows", "prefetch_rows", "bf16_rows")
+    __slots__ = ("threads_fn", "prefetch_rows", "bf16_rows")
 
     def _setup(self, device: torch.device, bias, prefetch_rows: int | None, bf16_rows: bool) -> None:
         prefetch_rows = host_prefetch_rows() if prefetch_rows is None else prefetch_rows
@@ -206,13 +229,10 @@ class _QuantLinear(Linear):
         self.bf16_rows = bool(bf16_rows and self.lib is not None and bf16_products_here())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
         if self.lib is None:
             y = self._torch_product(x)
-        elif x.dtype == torch.float32 and m <= self.max_rows:
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            y = torch.empty(m, self.n, dtype=torch.float32)
-            self._product(x, y, accumulate=False)
+        elif self._compiled_rows(x):
+            y = self._compiled(x)
         else:
             y = self._many(x)
         return y if self.bias is None else y.add_(self.bias)
@@ -220,8 +240,7 @@ class _QuantLinear(Linear):
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.lib is None or self.bias is not None or x.dtype != out.dtype:
             return out.add_(self(x))
-        if x.dtype == torch.float32 and x.shape[0] <= self.max_rows and out.stride(-1) == 1:
-            self._product(x if x.stride(-1) == 1 else x.contiguous(), out, accumulate=True)
+        if self._compiled_into(out, x):
             return out
         if x.dtype == torch.float32 and self.bf16_rows:
             return out.add_(self._many(x))
@@ -232,10 +251,6 @@ class _QuantLinear(Linear):
         if x.dtype == torch.float32 and self.bf16_rows:
             return F.linear(x.to(torch.bfloat16), self.dequantized(torch.bfloat16)).to(torch.float32)
         return F.linear(x, self.dequantized(x.dtype))
-
-    def _product(self, x: torch.Tensor, y: torch.Tensor, *, accumulate: bool) -> None:
-        """The compiled product (CPU, float32 rows): `y = x W^T`, or `y += x W^T`."""
-        raise NotImplementedError
 
     def _torch_product(self, x: torch.Tensor) -> torch.Tensor:
         """`x W^T` with torch ops (devices, or no compiled kernels)."""
