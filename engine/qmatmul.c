@@ -401,8 +401,9 @@ static inline v16f bf16_to_f(const uint16_t *p) {
     return f;
 }
 
-/* One row of a float32 (kind 32) or bfloat16 (kind 16) W against m float rows of x; k % 16 == 0. */
-static inline __attribute__((always_inline)) void f_row(const job_t *jb, i64 j, const int m) {
+/* One row of a float32 (bf16 0) or bfloat16 (bf16 1) W against m float rows of x; k % 16 == 0. m and bf16
+ * are compile-time constants after inlining. */
+static inline __attribute__((always_inline)) void f_row(const job_t *jb, i64 j, const int m, const int bf16) {
     const i64 k = jb->k;
     v16f acc0[MAX_ROWS], acc1[MAX_ROWS];
     for (int r = 0; r < m; r++) acc0[r] = acc1[r] = (v16f){0};
@@ -410,15 +411,15 @@ static inline __attribute__((always_inline)) void f_row(const job_t *jb, i64 j, 
     const uint16_t *w16 = (const uint16_t *)jb->q + j * k;
     i64 i = 0;
     for (; i + 32 <= k; i += 32) {
-        const v16f w0 = jb->kind == 32 ? load16(w32 + i) : bf16_to_f(w16 + i);
-        const v16f w1 = jb->kind == 32 ? load16(w32 + i + 16) : bf16_to_f(w16 + i + 16);
+        const v16f w0 = bf16 ? bf16_to_f(w16 + i) : load16(w32 + i);
+        const v16f w1 = bf16 ? bf16_to_f(w16 + i + 16) : load16(w32 + i + 16);
         for (int r = 0; r < m; r++) {
             acc0[r] += w0 * load16(jb->x + r * jb->ldx + i);
             acc1[r] += w1 * load16(jb->x + r * jb->ldx + i + 16);
         }
     }
     if (i < k) {
-        const v16f w0 = jb->kind == 32 ? load16(w32 + i) : bf16_to_f(w16 + i);
+        const v16f w0 = bf16 ? bf16_to_f(w16 + i) : load16(w32 + i);
         for (int r = 0; r < m; r++) acc0[r] += w0 * load16(jb->x + r * jb->ldx + i);
     }
     for (int r = 0; r < m; r++) {
@@ -428,17 +429,24 @@ static inline __attribute__((always_inline)) void f_row(const job_t *jb, i64 j, 
     }
 }
 
-static void f_rows(const job_t *jb, i64 j0, i64 j1) {
-    const i64 row = jb->k * (jb->kind == 32 ? 4 : 2);
+static inline __attribute__((always_inline)) void f_rows_of(const job_t *jb, i64 j0, i64 j1, const int bf16) {
+    const i64 row = jb->k * (bf16 ? 2 : 4);
     for (i64 j = j0; j < j1; j++) {
         if (jb->prefetch_rows && j + jb->prefetch_rows < j1) prefetch(jb->q + (j + jb->prefetch_rows) * row, row);
         switch (jb->m) {
-        case 1: f_row(jb, j, 1); break;
-        case 2: f_row(jb, j, 2); break;
-        case 4: f_row(jb, j, 4); break;
-        default: f_row(jb, j, (int)jb->m); break;
+        case 1: f_row(jb, j, 1, bf16); break;
+        case 2: f_row(jb, j, 2, bf16); break;
+        case 4: f_row(jb, j, 4, bf16); break;
+        default: f_row(jb, j, (int)jb->m, bf16); break;
         }
     }
+}
+
+static void f_rows(const job_t *jb, i64 j0, i64 j1) {
+    if (jb->kind == 16)
+        f_rows_of(jb, j0, j1, 1);
+    else
+        f_rows_of(jb, j0, j1, 0);
 }
 
 /* ---- threads ------------------------------------------------------------------------------------- */
