@@ -31,15 +31,22 @@ from pathlib import Path
 NAME = "decode-switches"
 HEADING = "## Tuning at the edge"
 SWITCHES = {
-    "weight_prefetch_rows flipped": {"weight_prefetch_rows": "flip"},
-    "int8_activations off": {"int8_activations": False},
-    "symmetric_int4 off": {"symmetric_int4": False},
-    "fused_decode off": {"fused_decode": False},
+    "int8_activations off": ({"int8_activations": False}, ("int4",)),
+    "symmetric_int4 off": ({"symmetric_int4": False}, ("int4",)),
+    "fused_decode off": ({"fused_decode": False}, ("fp32", "bf16", "int4", "int8")),
 }
-"""Variant label -> the `EngineConfig` options that turn one switch off."""
-APPLIES = {"weight_prefetch_rows flipped": ("int4", "int8"), "int8_activations off": ("int4",),
-           "symmetric_int4 off": ("int4",), "fused_decode off": ("fp32", "bf16", "int4", "int8")}
-"""Variant label -> the weight formats (by prefix) the switch acts on."""
+"""Variant label -> (the `EngineConfig` options that turn one switch off, the weight formats (by prefix)
+it acts on). `prefetch_switch` adds `weight_prefetch_rows`, whose variant depends on the host."""
+
+
+def prefetch_switch() -> dict:
+    """`weight_prefetch_rows`'s variant as a `SWITCHES` entry: the other side of this host's default
+    (`engine.qlinear.host_prefetch_rows`)."""
+    from engine.config import WEIGHT_PREFETCH_ROWS
+    from engine.qlinear import host_prefetch_rows
+
+    rows = 0 if host_prefetch_rows() else WEIGHT_PREFETCH_ROWS
+    return {f"weight_prefetch_rows {rows}": ({"weight_prefetch_rows": rows}, ("int4", "int8"))}
 
 
 def main(argv=None) -> int:
@@ -61,8 +68,7 @@ def main(argv=None) -> int:
 
     from bench.quantized import cpu_line
     from bench.tuning import mad, verdict
-    from engine.config import WEIGHT_PREFETCH_ROWS, EngineConfig
-    from engine.qlinear import host_prefetch_rows
+    from engine.config import EngineConfig
     from engine.loader import resolve_model
     from engine.model import Transformer
 
@@ -83,13 +89,10 @@ def main(argv=None) -> int:
             out.append(tok)
         return (time.perf_counter() - t) / args.decode_tokens * 1e3, out
 
-    flipped = 0 if host_prefetch_rows() else WEIGHT_PREFETCH_ROWS
-    switches = {k.replace("flipped", str(flipped)): {o: flipped if v == "flip" else v for o, v in opts.items()}
-                for k, opts in SWITCHES.items()}
-    applies = {k.replace("flipped", str(flipped)): v for k, v in APPLIES.items()}
+    switches = prefetch_switch() | SWITCHES
     tables = []
     for fmt in args.formats:
-        variants = {"default": {}} | {k: v for k, v in switches.items() if fmt.startswith(applies[k])}
+        variants = {"default": {}} | {k: opts for k, (opts, formats) in switches.items() if fmt.startswith(formats)}
         models = {label: Transformer.from_directory(resolved.directory, EngineConfig(device="cpu", weights=fmt, **opts),
                                                     fingerprint=resolved.fingerprint)
                   for label, opts in variants.items()}

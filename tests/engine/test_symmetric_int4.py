@@ -14,9 +14,6 @@ pytestmark = pytest.mark.usefixtures("private_model_cache")
 
 CFG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, initializer_range=0.08)
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
 
 
 def _written(root, q4_1: tuple[str, ...] = ()):
@@ -27,6 +24,7 @@ def _written(root, q4_1: tuple[str, ...] = ()):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.loader import MANIFEST
+    from engine.weightcache import _GGUF_NAMES as GGUF_NAMES  # checkpoint module -> llama.cpp's tensor name
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CFG, tie_word_embeddings=False)).eval()
@@ -35,13 +33,12 @@ def _written(root, q4_1: tuple[str, ...] = ()):
     values = {}
     for name, t in model.state_dict().items():
         parts = name.split(".")
-        if len(parts) == 6 and f"{parts[3]}.{parts[4]}" in GGUF_NAMES:
-            gname = f"blk.{parts[2]}.{GGUF_NAMES[parts[3] + '.' + parts[4]]}.weight"
-            qtype = gguf.GGMLQuantizationType.Q4_1 if GGUF_NAMES[parts[3] + '.' + parts[4]] in q4_1 \
-                else gguf.GGMLQuantizationType.Q4_0
+        gname = GGUF_NAMES.get(f"{parts[3]}.{parts[4]}") if len(parts) == 6 else None
+        if gname is not None:
+            qtype = gguf.GGMLQuantizationType.Q4_1 if gname in q4_1 else gguf.GGMLQuantizationType.Q4_0
             raw = gguf.quants.quantize(t.float().numpy(), qtype)
-            values[gname] = gguf.quants.dequantize(raw, qtype)
-            writer.add_tensor(gname, raw, raw_dtype=qtype)
+            values[f"blk.{parts[2]}.{gname}.weight"] = gguf.quants.dequantize(raw, qtype)
+            writer.add_tensor(f"blk.{parts[2]}.{gname}.weight", raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
