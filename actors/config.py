@@ -176,6 +176,10 @@ class ServiceConfig:
     profile: str = ""
     """Pipeline cost profile as JSON (scheduler.pipeline.CostProfile); empty: measured once per machine,
     model and throttle, then cached (`llmaas profile` re-runs it)."""
+    per_ref_s: float = 0.0
+    """On Ray: what handing one streamed object ref from the IO worker to its consumer costs, seconds,
+    which sizes a restore's layer groups and chunk batches (`scheduler.pipeline.layer_group_size`); 0:
+    measured when the executor starts (`actors.ray_restore.per_ref_seconds`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tuning, dict):  # from a config file or a Serve application's arguments
@@ -187,6 +191,8 @@ class ServiceConfig:
             raise ValueError("prefill_budget_bytes must be >= 0 (0: no budget)")
         if self.weights_resident_bytes is not None and self.weights_resident_bytes < 0:
             raise ValueError("weights_resident_bytes must be >= 0 (None: every weight resident)")
+        if not self.per_ref_s >= 0:
+            raise ValueError(f"per_ref_s must be >= 0 (0: measured at start), got {self.per_ref_s!r}")
         check_working_set(self.kv_format, self.policy)
 
     def adapter_dir(self) -> str:

@@ -78,19 +78,19 @@ class Health:
 
 def restarted(role: str, data_dir: str, metrics) -> bool:
     """Call early in an actor's start: when Ray is restarting it after a failure, count the restart
-    (`llmaas_actor_restarts_total{role}`, a file per role under `<data_dir>/restarts` keeps the
-    recent ones) and pause by `RESTART_BACKOFF_S`. Returns whether this start is a restart."""
+    (`llmaas_actor_restarts_total{role}`; a file per role under `<data_dir>/restarts` keeps the times of
+    the last 1,000) and pause by `RESTART_BACKOFF_S`. Returns whether this start is a restart."""
     with warnings.catch_warnings(action="ignore", category=DeprecationWarning):  # Ray's own property
         if not ray.get_runtime_context().was_current_actor_reconstructed:  # reads a deprecated one
             return False
-    log = Path(data_dir) / "restarts" / role
+    log, now = Path(data_dir) / "restarts" / role, time.time()
     log.parent.mkdir(parents=True, exist_ok=True)
-    now = time.time()
     try:
-        recent = [float(x) for x in log.read_text().split() if now - float(x) < RESTART_WINDOW_S]
+        times = [float(x) for x in log.read_text().split()][-999:]
     except (FileNotFoundError, ValueError):
-        recent = []
-    log.write_text(" ".join(map(str, recent + [now])))
+        times = []
+    recent = [t for t in times if now - t < RESTART_WINDOW_S]
+    log.write_text(" ".join(map(str, times + [now])))
     metrics.restarts.labels(role).inc()
     time.sleep(RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S) - 1)])
     return True
@@ -460,7 +460,7 @@ class ExecutorActor(Health):
         prof = CostProfile.from_json(c.profile) if c.profile else None
         self.read_rate = ReadRate(prof.io.slope if prof else 0.0)
         io_handle = peer(prefix, "io")
-        self.per_ref_s = per_ref_seconds(io_handle)
+        self.per_ref_s = c.per_ref_s or per_ref_seconds(io_handle)
         t = parts.tuning
         refs = ResidentRefs(t.object_chunks)
         gov = GovernorStub(peer(prefix, "governor"), refs)

@@ -2,8 +2,8 @@
 
 Our actors rebuild their state from the registry and the chunk files when Ray restarts them, so a
 call refused because the actor is restarting (`ActorUnavailableError`) is safe to send again; one
-that reached the actor and failed there is not retried. Past the deadline the caller gets
-`ActorRestartingError` (code `unavailable`: the HTTP front answers 503).
+that reached the actor and failed there is not retried. Past the deadline (`restart_wait_s`) the
+caller gets `ActorRestartingError` (code `unavailable`: the HTTP front answers 503).
 
 What this module deliberately does not know: which actor or method it calls.
 """
@@ -11,12 +11,28 @@ What this module deliberately does not know: which actor or method it calls.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import ray
 
 DEADLINE_S = 60.0
-"""How long a call is retried while its actor restarts, seconds."""
+"""How long a call is retried while its actor restarts, seconds, unless `LLMAAS_RESTART_WAIT_S` says."""
+
+
+def restart_wait_s() -> float:
+    """How long a call is retried while its actor restarts: `LLMAAS_RESTART_WAIT_S` (seconds) where it is
+    set in this process's environment (the service's actors inherit it from the process that starts
+    Ray), else `DEADLINE_S`. A restart loads the model again: on a box busy with other work it may take
+    longer than a minute."""
+    raw = os.environ.get("LLMAAS_RESTART_WAIT_S", "")
+    try:
+        value = float(raw) if raw else DEADLINE_S
+    except ValueError:
+        raise ValueError(f"LLMAAS_RESTART_WAIT_S must be a number of seconds, not {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"LLMAAS_RESTART_WAIT_S must be positive, not {raw!r}")
+    return value
 
 
 class ActorRestartingError(RuntimeError):
@@ -26,10 +42,11 @@ class ActorRestartingError(RuntimeError):
 
 
 class _Backoff:
-    """Delays 0.05 s doubling to 1 s, until `deadline_s` has passed."""
+    """Delays 0.05 s doubling to 1 s, until `deadline_s` (None: `restart_wait_s()`) has passed."""
 
-    def __init__(self, deadline_s: float) -> None:
-        self.delay, self.end = 0.05, time.monotonic() + deadline_s
+    def __init__(self, deadline_s: float | None) -> None:
+        wait = restart_wait_s() if deadline_s is None else deadline_s
+        self.delay, self.end = 0.05, time.monotonic() + wait
 
     def next_delay(self, error: BaseException) -> float:
         if time.monotonic() > self.end:
@@ -38,7 +55,7 @@ class _Backoff:
         return delay
 
 
-def call(method, *args, deadline_s: float = DEADLINE_S, **kwargs):
+def call(method, *args, deadline_s: float | None = None, **kwargs):
     """`ray.get(method.remote(*args, **kwargs))`, sent again while the actor restarts."""
     backoff = _Backoff(deadline_s)
     while True:
@@ -48,7 +65,7 @@ def call(method, *args, deadline_s: float = DEADLINE_S, **kwargs):
             time.sleep(backoff.next_delay(e))
 
 
-async def acall(method, *args, deadline_s: float = DEADLINE_S, **kwargs):
+async def acall(method, *args, deadline_s: float | None = None, **kwargs):
     """`await method.remote(*args, **kwargs)`, sent again while the actor restarts."""
     backoff = _Backoff(deadline_s)
     while True:

@@ -19,7 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from actors.config import ServiceConfig, check_working_set, prepare_data_dir
-from deploy.settings import ServerConfig, admin_token, private_secret
+from deploy.settings import ServerConfig, admin_token, private_secret, set_serve_timeouts
 
 
 def load_config_file(path: str) -> dict:
@@ -83,6 +83,7 @@ def serve_forever(args) -> int:
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(ray_token)
     os.environ.pop("RAY_AUTH_TOKEN", None)
+    set_serve_timeouts()
     # `ray job submit -- python ...` runs `python` from the cluster's PATH: make it this environment's
     bindir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:

@@ -50,6 +50,20 @@ def admin_token(data_dir: str, path: str = "") -> str:
     return os.environ.get("LLMAAS_ADMIN_TOKEN") or private_secret(Path(path or Path(data_dir) / "admin_token"))
 
 
+SERVE_PROXY_TIMEOUTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+"""Ray Serve's HTTP proxy timeouts, seconds, for a Ray the service starts itself (Ray's defaults: 5 and
+10). A proxy not started within the ready check's timeout is killed, and `serve.start` fails with
+`ActorDiedError`: on a 2-core box beside two busy processes, starting the proxy's worker took longer
+than 5 s (2026-11-29)."""
+
+
+def set_serve_timeouts() -> None:
+    """Put `SERVE_PROXY_TIMEOUTS` in this process's environment, keeping values already there; before Ray
+    starts, so that Serve's controller (a process Ray starts) reads them."""
+    for name, value in SERVE_PROXY_TIMEOUTS.items():
+        os.environ.setdefault(name, value)
+
+
 RUNTIME: dict = {"max_body_bytes": ServerConfig().max_body_bytes, "metrics": None}
 """This process's live settings for the HTTP middleware (body limit, metrics), set by the ingress at
 start. Read it as `deploy.settings.RUNTIME` (module attribute access): Serve ships the ingress class by

@@ -143,10 +143,20 @@ def real_kv(engine):
 RAY_INIT = dict(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
 
-def _init_ray(ray) -> None:
-    """`ray.init` as the tests start it: `RAY_INIT` and the system settings `llmaas serve` starts Ray with."""
-    from actors.ray_actors import RAY_SYSTEM_CONFIG
+RESTART_WAIT_S = "600"
+"""`LLMAAS_RESTART_WAIT_S` in the tests' Ray: a call waits this long for an actor the test killed. A
+restart loads the model again, which took over the default minute on 2 cores beside two busy
+processes; the tests wait for the restart, not for a time."""
 
+
+def _init_ray(ray) -> None:
+    """`ray.init` as the tests start it: `RAY_INIT`, the system settings and Serve proxy timeouts `llmaas
+    serve` starts Ray with, and `RESTART_WAIT_S` (the actors inherit this process's environment)."""
+    from actors.ray_actors import RAY_SYSTEM_CONFIG
+    from deploy.settings import set_serve_timeouts
+
+    set_serve_timeouts()
+    os.environ.setdefault("LLMAAS_RESTART_WAIT_S", RESTART_WAIT_S)
     ray.init(**RAY_INIT, _system_config=RAY_SYSTEM_CONFIG)
 
 
