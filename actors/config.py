@@ -17,6 +17,25 @@ made a 1.5K-token prompt prefill 2.1x and decode 5.2x as fast beside one busy pr
 (docs/benchmarks.md, "Tuning at the edge")."""
 
 
+RESTART_WAIT_S = 60.0
+"""How long a call is retried while its actor restarts, seconds, unless `LLMAAS_RESTART_WAIT_S` says."""
+
+
+def restart_wait_s() -> float:
+    """How long a call is retried while its actor restarts: `LLMAAS_RESTART_WAIT_S` (seconds) where it is
+    set in this process's environment (the service's actors inherit it from the process that starts
+    Ray), else `RESTART_WAIT_S`. A restart loads the model again: on a box busy with other work it may take
+    longer than a minute."""
+    raw = os.environ.get("LLMAAS_RESTART_WAIT_S", "")
+    try:
+        value = float(raw) if raw else RESTART_WAIT_S
+    except ValueError:
+        raise ValueError(f"LLMAAS_RESTART_WAIT_S must be a number of seconds, not {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"LLMAAS_RESTART_WAIT_S must be positive, not {raw!r}")
+    return value
+
+
 @dataclass(slots=True)
 class Tuning:
     """Optimisations that exist for speed alone, each switchable here (True: on). What each buys,

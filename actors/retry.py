@@ -11,28 +11,11 @@ What this module deliberately does not know: which actor or method it calls.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import ray
 
-DEADLINE_S = 60.0
-"""How long a call is retried while its actor restarts, seconds, unless `LLMAAS_RESTART_WAIT_S` says."""
-
-
-def restart_wait_s() -> float:
-    """How long a call is retried while its actor restarts: `LLMAAS_RESTART_WAIT_S` (seconds) where it is
-    set in this process's environment (the service's actors inherit it from the process that starts
-    Ray), else `DEADLINE_S`. A restart loads the model again: on a box busy with other work it may take
-    longer than a minute."""
-    raw = os.environ.get("LLMAAS_RESTART_WAIT_S", "")
-    try:
-        value = float(raw) if raw else DEADLINE_S
-    except ValueError:
-        raise ValueError(f"LLMAAS_RESTART_WAIT_S must be a number of seconds, not {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"LLMAAS_RESTART_WAIT_S must be positive, not {raw!r}")
-    return value
+from actors.config import restart_wait_s
 
 
 class ActorRestartingError(RuntimeError):

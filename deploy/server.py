@@ -18,7 +18,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from actors.config import ServiceConfig, check_working_set, prepare_data_dir
+from actors.config import ServiceConfig, check_working_set, prepare_data_dir, restart_wait_s
 from deploy.settings import ServerConfig, admin_token, private_secret, set_serve_timeouts
 
 
@@ -75,6 +75,7 @@ def options_from_args(args) -> dict:
 
 
 def serve_forever(args) -> int:
+    restart_wait_s()  # a bad LLMAAS_RESTART_WAIT_S is refused before anything starts
     opts = options_from_args(args)
     data = Path(opts["data_dir"])
     prepare_data_dir(data)
