@@ -169,7 +169,8 @@ def load_weights(arrays: dict[str, np.ndarray], cfg: ModelConfig, device, dtype,
             lo = arrays.get(name + ".min")
             if lo is None and not symmetric_int4:
                 lo = symmetric_minimums(arrays[name + ".scale"])
-            return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), lo if lo is None else own(lo), fmt.group,
+            lo = lo if lo is None else own(lo)
+            return Int4Linear(own(arrays[name + ".q"]), own(arrays[name + ".scale"]), lo, fmt.group,
                               bias=b, device=device, int8_activations=int8_activations,
                               device_pack=dtype == torch.bfloat16, prefetch_rows=prefetch_rows, bf16_rows=bf16_rows)
         if name + ".q" in arrays:

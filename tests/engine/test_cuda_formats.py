@@ -23,6 +23,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model import Transformer
 from engine.qlinear import FloatLinear, Int4Linear, Int8Linear
+from engine.quant import symmetric_minimums
 from tests.engine.test_cuda import CFG, DEVICE, pytestmark as cuda_only
 
 pytestmark = [cuda_only, pytest.mark.usefixtures("private_model_cache")]  # test_cuda.py's skip
@@ -90,7 +91,8 @@ def test_symmetric_int4_on_the_device_matches_the_cpu(rows):
     x = torch.randn(rows, k, generator=gen)
     host = Int4Linear(q, scale, None, group, int8_activations=False)
     want = host(x)
-    assert torch.equal(host.dequantized(), Int4Linear(q, scale, -8 * scale, group).dequantized())  # as Q4_0 reads
+    mins = symmetric_minimums(scale.numpy())  # what Q4_0's blocks stand for
+    assert torch.equal(host.dequantized(), Int4Linear(q, scale, mins, group).dequantized())
     dev = Int4Linear(q, scale, None, group, device=DEVICE, int8_activations=False)
     got = dev(x.to(DEVICE)).cpu()
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
