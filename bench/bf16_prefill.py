@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     from bench.tuning import mad
     from engine.config import EngineConfig
     from engine.loader import resolve_model
-    from engine.model import Transformer, bf16_attention_mode
+    from engine.attention import bf16_attention_mode
+    from engine.model import Transformer
     from engine.qlinear import bf16_products_here
 
     torch.set_num_threads(args.threads)

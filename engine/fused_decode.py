@@ -143,7 +143,7 @@ def fused_step(model, cache, n: int, *, sdpa: bool, adapter, partitions: int):
             and cache.kv_format == "float" and cache.pager is None and model.compiled_attention):
         return None
     if model not in _BUILT:
-        from engine.model import attention_kernel
+        from engine.attention import attention_kernel
 
         _BUILT[model] = FusedDecode.build(model, attention_kernel())
     built = _BUILT[model]

@@ -68,11 +68,11 @@ FEW_ROWS = 8
 """The partition ``severe`` tries last: fewer rows than :data:`NATIVE_MIN_ROWS`, so the compiled kernel
 takes its row path, which holds no transposed copy of the keys (a prefill onto a long context)."""
 SCORE_BUDGET_BYTES = 9 << 19
-"""engine/model.py's bytes of scores per attention block (it sizes ``b`` from them)."""
+"""engine/attention.py's bytes of scores per attention block (it sizes ``b`` from them)."""
 MAX_BLOCK_ROWS = 64
-"""engine/model.py's most query rows per attention block."""
+"""engine/attention.py's most query rows per attention block."""
 NATIVE_MIN_ROWS = 16
-"""engine/model.py's fewest rows the compiled kernel runs as `attn_forward` (fewer: `attn_rows`). These
+"""engine/attention.py's fewest rows the compiled kernel runs as `attn_forward` (fewer: `attn_rows`). These
 three mirror the engine's (this module imports no model); tests/engine/test_memtrack.py checks them."""
 
 
@@ -179,7 +179,7 @@ class PrefillPlan:
 
 
 def block_rows(shape: PrefillShape, rows: int, keys: int) -> int:
-    """Query rows per attention block, as engine/model.py `_attend` sizes them."""
+    """Query rows per attention block, as engine/attention.py `attend_blockwise` sizes them."""
     b = max(16, min(MAX_BLOCK_ROWS, SCORE_BUDGET_BYTES // (4 * shape.n_heads * keys)))
     b = -(-rows // -(-rows // b))  # equal blocks
     return min(rows, b)

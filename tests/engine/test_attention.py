@@ -75,7 +75,7 @@ def test_native_attention_matches_full_matrix(engine, pos, threads, build, monke
     import ctypes
     from pathlib import Path
 
-    import engine.model as em
+    import engine.attention as em
     from engine import native
     from engine.threads import torch_uses_gnu_openmp
 
@@ -125,7 +125,7 @@ class _Recorder:
 def test_prefill_and_decode_take_their_native_kernels(engine, monkeypatch):
     """On the CPU in float32 every row goes to a compiled kernel: 16 rows or more to attn_forward (also
     against many keys); fewer (decode, short turns) to attn_rows."""
-    import engine.model as em
+    import engine.attention as em
 
     model = engine.model
     lib = em.attention_kernel()
@@ -142,7 +142,7 @@ def test_prefill_and_decode_take_their_native_kernels(engine, monkeypatch):
 
 def _bf16_modes():
     """(engine/attention_bf16.c, the ways it multiplies here: 1 dot products, 2 AMX tiles) or a skip."""
-    import engine.model as em
+    import engine.attention as em
 
     lib = em.bf16_attention_kernel()
     if lib is None:
@@ -168,7 +168,7 @@ def test_bf16_attention_stays_within_bfloat16_rounding(pos, hkv, group, d, threa
     probabilities enter its products rounded to bfloat16 (8-bit mantissa), so outputs are within a few
     parts in a thousand; the density (float32 softmax and sums) within a part in a hundred. The float32
     kernel on the same inputs is checked closer, so the bounds say what the bf16 rounding costs."""
-    import engine.model as em
+    import engine.attention as em
 
     lib, modes = _bf16_modes()
     gen = torch.Generator().manual_seed(2)
@@ -206,8 +206,9 @@ def test_bf16_weights_prefill_in_bf16_attention_where_the_cpu_has_it(engine, mon
     """A model of bf16 weights sends 16 rows or more to attn_forward_bf16 when the CPU has bfloat16
     products (AMX or AVX-512 BF16) and to attn_forward otherwise; decode rows stay on attn_rows;
     `bf16_attention=False` switches it off."""
-    import engine.model as em
+    import engine.attention as em
     from engine.config import EngineConfig
+    from engine.model import Transformer
 
     model = engine.model
     bf16_lib = em.bf16_attention_kernel()
@@ -219,7 +220,7 @@ def test_bf16_weights_prefill_in_bf16_attention_where_the_cpu_has_it(engine, mon
     cache.reserve(100)
     q = torch.randn(64, model.cfg.n_heads, model.cfg.head_dim)
     for switch in (True, False):  # the engine's weights, read as the bf16 format's only for the dispatch
-        bf16 = em.Transformer(model.cfg, model.w, EngineConfig(device="cpu", weights="bf16", bf16_attention=switch))
+        bf16 = Transformer(model.cfg, model.w, EngineConfig(device="cpu", weights="bf16", bf16_attention=switch))
         for rows, pos in [(64, torch.arange(64)), (1, torch.arange(99, 100))]:
             bf16._attend_native(0, q[:rows].contiguous(), pos, cache, None)
     first = "attn_forward_bf16" if bf16_lib is not None else "attn_forward"

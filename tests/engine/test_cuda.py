@@ -342,6 +342,7 @@ def test_codecs_round_trip_chunks_exported_from_the_device(prefilled):
 def test_native_attention_kernel_never_sees_device_tensors(f32, monkeypatch):
     """engine/attention.c reads raw host pointers: on CUDA the engine must not hand it device tensors
     (nor build it); on the CPU it may run, with host tensors only."""
+    import engine.attention as ea
     import engine.model as em
 
     m, _ = f32
@@ -358,9 +359,9 @@ def test_native_attention_kernel_never_sees_device_tensors(f32, monkeypatch):
         assert m.device.type == "cpu", "the host attention kernel was looked up for a device model"
         return real_kernel()
 
-    real_kernel = em.attention_kernel
+    real_kernel = ea.attention_kernel
     monkeypatch.setattr(em.Transformer, "_attend_native", spy)
-    monkeypatch.setattr(em, "attention_kernel", kernel_spy)
+    monkeypatch.setattr(ea, "attention_kernel", kernel_spy)
     dens = torch.zeros(200, device=m.device)
     cache = m.new_cache(200)
     m.forward(cache, _ids(160, 7), density=dens[:160])  # 160 rows: the native kernel's size on the CPU

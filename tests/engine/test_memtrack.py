@@ -63,7 +63,7 @@ def test_the_estimate_of_each_step_matches_the_tracked_tensors(resolved_model, w
 
 
 def test_the_estimates_engine_constants_are_the_engines():
-    import engine.model as em
+    import engine.attention as em
     import scheduler.prefill as sp
 
     assert (sp.SCORE_BUDGET_BYTES, sp.MAX_BLOCK_ROWS, sp.NATIVE_MIN_ROWS) == (

@@ -265,7 +265,8 @@ def test_many_rows_multiply_in_bfloat16_where_the_cpu_does(formats, resolved_mod
     the float product; switched off, or on other CPUs, float32. Attention then goes bfloat16 too. What
     it does to perplexity: test_perplexity_of_each_format_against_float32."""
     from engine.config import EngineConfig
-    from engine.model import Transformer, bf16_attention_kernel
+    from engine.attention import bf16_attention_kernel
+    from engine.model import Transformer
     from engine.qlinear import bf16_products_here
 
     off = Transformer.from_directory(resolved_model.directory, EngineConfig(device="cpu", weights="int4",
