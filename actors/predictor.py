@@ -2,7 +2,7 @@
 knowledge bank, the embedding model, the QA bank and the K/V tree (`actors.ragfront.RagCache`), and
 drives the one model executor for RAG prompts through its port (`rag_call`; `rag_stream` for a user's
 query whose answer is streamed as it decodes). A plain class; on Ray
-`actors.ray_actors.PredictorActor` hosts it with one torch thread and no CPU of its own.
+`actors.ray_predictor.PredictorActor` hosts it with one torch thread and no CPU of its own.
 
 In idle time it predicts queries (PerCache §4.1.2) and runs them through the same path as real ones
 (`tick`): after documents arrive and a quiet period passes, the model updates the collection's

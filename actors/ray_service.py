@@ -18,7 +18,8 @@ from typing import Any
 import ray
 
 from actors.config import ServiceConfig, openmp_env, prepare_data_dir
-from actors.ray_actors import HEALTH_GROUPS, ExecutorActor, GovernorActor, IOActor, PredictorActor, RecomputeActor
+from actors.ray_actors import HEALTH_GROUPS, ExecutorActor, GovernorActor, IOActor, RecomputeActor
+from actors.ray_predictor import PredictorActor
 from actors.ray_stubs import NAMESPACE, ExecutorStub, GovernorStub, PredictorStub, resolve_call_item, resolve_chunks
 from actors.messages import KVKey
 from actors.service import ContextService, components
