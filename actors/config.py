@@ -116,6 +116,10 @@ class RagConfig:
     """Default reply length."""
     predict: bool = True
     """Predict queries in idle time (the query predictor; off: the caches fill only from real queries)."""
+    predict_tree: bool = True
+    """Predicted queries, and the rest of idle work, populate the K/V tree (PerCache §4.1.2). Off, the
+    tree fills from real queries alone, as RAGCache's does, and idle work answers predicted questions
+    into the QA bank only: PerCache §5.2's RAGCache + Sleep-time Compute baseline."""
     idle_after_s: float = 120.0
     """Seconds without a real call before the predictor may work."""
     predict_budget_s: float = 600.0

@@ -226,8 +226,8 @@ class QueryPredictor:
         questions whose nodes were evicted (their answers stay; `prefilled` lists them)."""
         out = {"app": app, "kind": "answers", "collection": None, "questions": [], "prefilled": [], "model_s": 0.0}
         decode = self.scheduler.populate(self.rag.config.tau_query, qa_bank=self.rag.config.qa_bank).decode
-        with self._lock:
-            again = self._reprefill_due(app)[:self.idle.policy.stride]
+        with self._lock:  # nodes prefilled again by idle work only where idle work populates the tree
+            again = self._reprefill_due(app)[:self.idle.policy.stride] if self.rag.uses_tree(background=True) else []
         if not decode and not again:
             return out
         t0 = time.perf_counter()
@@ -288,7 +288,8 @@ class QueryPredictor:
                 for chunk in passages if cfg.passage_roots else []:
                     if self.rag.cache_passage(app, chunk):
                         out["roots"] = out.get("roots", 0) + 1
-                pop = self.scheduler.populate(cfg.tau_query, qa_bank=cfg.qa_bank, kv_tree=cfg.kv_tree,
+                pop = self.scheduler.populate(cfg.tau_query, qa_bank=cfg.qa_bank,
+                                              kv_tree=self.rag.uses_tree(background=True),
                                               from_passages=work.kind == "knowledge")
                 for q in questions:
                     self.rag.query(app, col, q, predicted=True, decode=pop.decode, background=True)

@@ -1,14 +1,15 @@
 """The RAG cache of one node (PerCache): retrieval, the QA bank, the K/V tree and their bookkeeping,
 Ray-free. The model runs elsewhere, through `run` (the executor port's `rag_call`); node records are
 deleted through `delete_node` (the IO port's `delete_context`). On Ray the query predictor actor hosts
-it (`actors.ray_actors`); in one process the service does.
+it (`actors.ray_predictor`); in one process the service does.
 
 A query is embedded once; a stored question at least `tau_query` similar (QA bank) answers at once;
 otherwise the collection is searched (hybrid BM25 + cosine), the prompt assembled from the passages'
 token ids (`engine.rag.RagTemplate`), the longest cached prefix of the retrieved path matched in the
 app's K/V tree (`scheduler.ragtree.KVTree`), and the executor loads those nodes, prefills the rest and
 decodes. New nodes enter the tree (LFU eviction under the app's cap), the answer the QA bank. The
-baselines of PerCache §5.2 are configurations: `RagConfig.qa_bank` and `RagConfig.kv_tree` off or on.
+baselines of PerCache §5.2 are configurations: `RagConfig.qa_bank`, `RagConfig.kv_tree` and
+`RagConfig.predict_tree` off or on.
 The QA bank holds greedy answers (`banked_sampling`); a stored answer longer than a query's
 `max_tokens` is cut to it.
 """
@@ -158,9 +159,10 @@ class RagCache:
         lat["retrieve"] = time.perf_counter() - t
         path = [int(h.chunk) for h in hits]
         prompt = self.template.build([list(h.token_ids) for h in hits], question)
+        tree = self.uses_tree(background)
         with self._tree_lock:  # not held while the model runs: a real query never waits for idle work's
             # idle work populates exact nodes; only a real reply may take other paths' K/V
-            call, matched, donors = self._plan(app, adapter, path, prompt, decode, params,
+            call, matched, donors = self._plan(app, adapter, path, prompt, decode, params, tree=tree,
                                                blend=decode and not background and not predicted)
             call.background, call.deadline = background, deadline
         # a node evicted meanwhile fails to read and is recomputed (`actors.rag.stream_rag_call`)
@@ -168,8 +170,9 @@ class RagCache:
         reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
         with self._tree_lock:
             used = [d for d, b in zip(donors, call.blend) if b.key in out.blended]
-            self._update_tree(app, adapter, path[:len(matched)] if call.blend else path, prompt, out,
-                              matched[:reused_nodes] + used)
+            if tree:
+                self._update_tree(app, adapter, path[:len(matched)] if call.blend else path, prompt, out,
+                                  matched[:reused_nodes] + used)
         lat.update(load=out.load_s, prefill=out.prefill_s, decode=out.decode_s, save=out.save_s)
         if out.blended:
             lat["blend"] = out.blend_s
@@ -191,15 +194,17 @@ class RagCache:
         """Give passage `chunk` (an id of `app`'s) a root node, the K/V of it alone right after the
         prompt's head, unless the tree has one: a question whose best passage it is then reuses at least
         that node, whatever comes after it. Prefill only (the question after it is a placeholder, not
-        kept). Returns whether it prefilled (False with the K/V tree off)."""
-        if not self.config.kv_tree:
+        kept). Idle work: returns whether it prefilled (False where idle work does not populate the
+        tree, `uses_tree`)."""
+        if not self.uses_tree(background=True):
             return False
         with self._tree_lock:
             if self.tree(app, adapter).match([chunk]):
                 return False
         prompt = self.template.build([list(self.bank.chunk(app, chunk).token_ids)], ROOT_QUESTION)
         with self._tree_lock:
-            call, matched, _ = self._plan(app, adapter, [chunk], prompt, False, {"max_tokens": 1}, blend=False)
+            call, matched, _ = self._plan(app, adapter, [chunk], prompt, False, {"max_tokens": 1}, tree=True,
+                                          blend=False)
             call.background = background
         out = self.run(call)
         with self._tree_lock:
@@ -242,15 +247,22 @@ class RagCache:
             reused_chunks=0, reused_tokens=0, retrieved_tokens=0, prompt_tokens=0, latency=lat,
             similarity=float(sim))
 
-    def _plan(self, app, adapter, path, prompt, decode, params, *, blend: bool) -> tuple[RagCall, list, list]:
-        """The call: the head and the longest cached prefix of `path` to load, the rest to save; with
+    def uses_tree(self, background: bool) -> bool:
+        """Whether a query reads and populates the K/V tree: with the tree on, every real query does,
+        idle work (`background`) only with `RagConfig.predict_tree`."""
+        return self.config.kv_tree and (self.config.predict_tree or not background)
+
+    def _plan(self, app, adapter, path, prompt, decode, params, *, tree: bool,
+              blend: bool) -> tuple[RagCall, list, list]:
+        """The call: the head and the longest cached prefix of `path` to load, the rest to save (`tree`
+        off: neither, the whole prompt prefilled, nothing kept); with
         `blend` and `RagConfig.blend_ratio`, when every passage past the prefix has a node on another
         path, those nodes' K/V instead (and nothing saved), unless the same path was blended last time
         it came. Returns the call, the matched nodes and the donor nodes."""
         key = self._key(app, adapter)
         spans = [NodeSpan(node_key(key, path[:i + 1]), a, b) for i, (a, b) in enumerate(prompt.spans)]
         head = NodeSpan(node_key(key, ()), 0, prompt.head)
-        if not self.config.kv_tree:
+        if not tree:
             return RagCall(app, adapter, prompt.ids, [], [], params, decode), [], []
         tree = self.tree(app, adapter)
         cached_head = self._heads[(app, adapter)] > 0
@@ -277,8 +289,6 @@ class RagCache:
         return call, matched, donors
 
     def _update_tree(self, app, adapter, path, prompt, out: RagOutcome, reused) -> None:
-        if not self.config.kv_tree:
-            return
         key, tree, now = self._key(app, adapter), self.tree(app, adapter), self.clock()
         head = node_key(key, ())
         if head in out.saved:

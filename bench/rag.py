@@ -7,8 +7,15 @@ stride and idle budget for all):
 - `Naive`: neither cache level, no prediction;
 - `RAGCache-like`: the K/V tree alone; `MeanCache-like`: the QA bank alone;
 - `Sleep-time-compute-like`: the QA bank filled by the query predictor in idle time;
-- `RAGCache+MeanCache`: both levels, no prediction; `RAGCache+SC`: the K/V tree and prediction;
+- `RAGCache+MeanCache`: both levels, no prediction;
+- `RAGCache+SC`: both levels, the K/V tree filled by real queries alone and the QA bank by the predictor
+  too (PerCache: "We use RAGCache to update the KV cache tensor tree and Sleep-time Compute to update
+  the QA bank"; `RagConfig.predict_tree` off);
 - `PerCache`: both levels and prediction.
+
+PerCache §5.6's ablation, run by default and never a baseline: `PerCache-no-QA-bank` (the K/V tree and
+prediction); its other two variants are baselines already (no K/V tree: `Sleep-time-compute-like`; no
+prediction: `RAGCache+MeanCache`).
 
 Run only when named (this project's variants, never a baseline): `PerCache-answers-at-once` (a question
 predicted from a passage decoded at once, PerCache's own rule, `RagConfig.answers_after_coverage` off),
@@ -58,8 +65,10 @@ SYSTEMS = {  # name -> RagConfig switches (qa_bank, kv_tree) and whether the pre
     "MeanCache-like": dict(qa_bank=True, kv_tree=False, predict=False),
     "Sleep-time-compute-like": dict(qa_bank=True, kv_tree=False, predict=True),
     "RAGCache+MeanCache": dict(qa_bank=True, kv_tree=True, predict=False),
-    "RAGCache+SC": dict(qa_bank=False, kv_tree=True, predict=True),
+    "RAGCache+SC": dict(qa_bank=True, kv_tree=True, predict=True, predict_tree=False),
     "PerCache": dict(qa_bank=True, kv_tree=True, predict=True),
+    # PerCache's ablation (`ablation`: run by default, never a baseline)
+    "PerCache-no-QA-bank": dict(qa_bank=False, kv_tree=True, predict=True, ablation=True),
     # this project's variants (`extra`: run when named, never a baseline): PerCache's own population rule
     "PerCache-answers-at-once": dict(qa_bank=True, kv_tree=True, predict=True, answers_after_coverage=False,
                                      extra=True),
@@ -69,8 +78,10 @@ SYSTEMS = {  # name -> RagConfig switches (qa_bank, kv_tree) and whether the pre
     "PerCache+blend": dict(qa_bank=True, kv_tree=True, predict=True, blend=True, extra=True),
 }
 DEFAULT_SYSTEMS = [s for s, knobs in SYSTEMS.items() if not knobs.get("extra")]
-"""PerCache §5.2's systems (the variants run when asked: `--systems`)."""
+"""PerCache §5.2's systems and §5.6's ablation (the variants run when asked: `--systems`)."""
 NAIVE, OURS, NO_PREDICTION, EXACT = "Naive", "PerCache", "RAGCache+MeanCache", "RAGCache-like"
+BASELINES = [s for s in DEFAULT_SYSTEMS if s != OURS and not SYSTEMS[s].get("ablation")]
+"""The systems PerCache's latency floor compares against (§5.2's baselines)."""
 LATENCY_FLOOR, LATENCY_GOAL = 0.15, 0.30
 """PerCache's mean latency below the best other system's, as a fraction of the latter."""
 KV_FLOOR = 0.10
@@ -198,7 +209,7 @@ class Executor:
 def rag_config(args, system: str, **overrides):
     from actors.config import RagConfig
 
-    switches = {k: v for k, v in SYSTEMS[system].items() if k not in ("blend", "extra")}
+    switches = {k: v for k, v in SYSTEMS[system].items() if k not in ("blend", "extra", "ablation")}
     knobs = dict(k=args.k, max_tokens=args.max_tokens, tau_query=args.tau_query, stride=args.stride,
                  idle_after_s=args.idle_after, predict_budget_s=args.budget, **switches,
                  blend_ratio=args.blend_ratio if SYSTEMS[system].get("blend") else 0.0)
@@ -217,6 +228,8 @@ def run_one(engine, embedder, user: str, which: str, system: str, args, setting:
 
     cfg = rag_config(args, system, **overrides)
     out = Run(which, user, system, setting, [])
+    if args.tmp:
+        os.makedirs(args.tmp, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="rag-bench-", dir=args.tmp)
     t_run = time.perf_counter()
     clock = Clock(T0)
@@ -342,8 +355,7 @@ def floors(per: dict[str, dict], baseline: float | None) -> list[dict]:
     `"detail"}`."""
     out = []
     ours = per.get(OURS)
-    others = {s: v for s, v in per.items()  # baselines only: the variants are this project's too
-              if s != OURS and not SYSTEMS[s].get("extra") and v["mean_s"] is not None}
+    others = {s: v for s, v in per.items() if s in BASELINES and v["mean_s"] is not None}
     if ours and others:
         best = min(others, key=lambda s: others[s]["mean_s"])
         cut = 1 - ours["mean_s"] / others[best]["mean_s"]
@@ -559,7 +571,7 @@ def main(argv=None) -> int:
                     help="lookup decoding in every system, up to N guessed tokens a pass (EngineConfig.lookup_draft; "
                          f"default {Tuning().lookup_draft}, the service's; 0: off)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    ap.add_argument("--tmp", default=None, help="where the runs' data directories go (default: the system's temp)")
+    ap.add_argument("--tmp", default=None, help="where the runs' data directories go, created if missing (default: the system's temp)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/rag"),
                     help="folder for queries.csv and summary.json (default docs/results/rag)")
     ap.add_argument("--write", type=Path, help="replace or add the RAG cache section of this markdown file")

@@ -120,6 +120,20 @@ def test_without_a_qa_bank_nothing_predicted_is_decoded(tmp_path, engine, embedd
     assert len(p.rag.tree("app")) >= 1 and p.store.qa_entries("app", col, "") == []
 
 
+def test_without_predicted_tree_idle_work_answers_into_the_qa_bank_only(tmp_path, engine, embedder):
+    # PerCache's RAGCache + Sleep-time Compute baseline: the tree fills from real queries alone
+    clock = Clock()
+    p, ex, col, done = first_round(tmp_path, engine, embedder, clock, predict_tree=False)
+    entries = p.store.qa_entries("app", col, "")
+    assert done["questions"] and "roots" not in done and len(p.rag.tree("app")) == 0
+    assert not any(c.save or c.load for c in ex.calls)  # nothing loaded from or saved to the tree
+    assert {e.question for e in entries} == set(done["questions"]) and all(e.answer for e in entries)
+    clock.t += 200
+    real = p.query("app", col, "Which sea does the Nile flow into?", {"max_tokens": 6, "tau_query": 1.01})
+    # (no stored answer may serve it) its path enters the tree
+    assert real.level == "miss" and len(p.rag.tree("app")) >= 1
+
+
 def test_idle_time_decodes_the_answers_a_new_document_made_stale(tmp_path, engine, embedder):
     clock = Clock()
     no_rounds = IdlePolicy(idle_after_s=30, abstract_quiet_s=1e9, stride=2)  # only the stale answer to do

@@ -64,6 +64,12 @@ def test_floors_pass_fail_and_missing():
     assert got == {"latency": True, "prediction": True, "quality": True, "exact reuse": False}
     alone = rag.floors({rag.OURS: summary["systems"][rag.OURS]}, None)
     assert [f["ok"] for f in alone] == [None, None, None, None]
+    # PerCache's ablation runs by default but is never the baseline the latency floor compares against
+    ablation = "PerCache-no-QA-bank"
+    assert ablation in rag.DEFAULT_SYSTEMS and ablation not in rag.BASELINES and "RAGCache+SC" in rag.BASELINES
+    faster = dict(summary["systems"][rag.OURS], mean_s=0.1)
+    (latency, *_) = rag.floors({**summary["systems"], ablation: faster}, summary["paraphrase_rouge_l"])
+    assert latency["ok"] and rag.NO_PREDICTION in latency["detail"]
 
 
 def test_the_section_has_every_system_floor_and_setting_and_fits_its_markers():
