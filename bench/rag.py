@@ -24,7 +24,8 @@ predicted from a passage decoded at once, PerCache's own rule, `RagConfig.answer
 
 Each (question set, user, system) runs in a fresh data directory: the user's documents go into one
 collection through the query predictor, then the user's questions are asked in their order, one every
-`--gap` seconds of a virtual clock (the benchmark never sleeps). Where the system predicts, the
+`--gap` seconds of a virtual clock (the benchmark never sleeps), the systems alternating question by
+question so that the host's drift over a run does not favour one (`bench.rag_session.run_group`). Where the system predicts, the
 predictor's `tick` runs between questions once the device counts as idle; its model-seconds are
 counted apart from the queries' latency, which is the wall time of `QueryPredictor.query`.
 
@@ -49,9 +50,7 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -142,7 +141,7 @@ def rouge_scorer():
     return (lambda ref, cand: scorer.score(ref, cand)["rougeL"].fmeasure), "rouge-score's ROUGE-L F1, no stemmer"
 
 
-# ---- one run ------------------------------------------------------------------------------------------
+# ---- a run's results --------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -177,33 +176,7 @@ class Run:
     rounds: int = 0  # prediction rounds reported by tick
     predicted: int = 0  # questions those rounds predicted
     cache_bytes: dict = field(default_factory=dict)  # RagStore.total_bytes() at the end
-    wall_s: float = 0.0  # the whole run, ingestion included
-
-
-class Clock:
-    """The virtual clock every part of a run reads (seconds)."""
-
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Executor:
-    """The executor port's `rag_call` and `activity`, in process: the model runs here, and the last
-    real call is the last user question, on the virtual clock (0.0: none yet)."""
-
-    def __init__(self, engine, io) -> None:
-        self.engine, self.io, self.last = engine, io, 0.0
-
-    def rag_call(self, call):
-        from actors.rag import run_rag_call
-
-        return run_rag_call(self.engine, self.io, call, should_stop=None)
-
-    def activity(self) -> tuple[float, int]:
-        return self.last, 0
+    wall_s: float = 0.0  # this run's own time, ingestion included (not the other systems' turns)
 
 
 def rag_config(args, system: str, **overrides):
@@ -216,79 +189,6 @@ def rag_config(args, system: str, **overrides):
     if args.tree_cap_mib:
         knobs["tree_cap_bytes"] = args.tree_cap_mib << 20
     return RagConfig(**{**knobs, **overrides})
-
-
-def run_one(engine, embedder, user: str, which: str, system: str, args, setting: str = "", **overrides) -> Run:
-    """Ingest `user`'s documents, then ask their questions one every `args.gap` virtual seconds,
-    predicting between them where the system does."""
-    from actors.messages import KVKey
-    from actors.predictor import QueryPredictor
-    from actors.swapio import KVSwapIO
-    from bench import rag_data
-
-    cfg = rag_config(args, system, **overrides)
-    out = Run(which, user, system, setting, [])
-    if args.tmp:
-        os.makedirs(args.tmp, exist_ok=True)
-    folder = tempfile.mkdtemp(prefix="rag-bench-", dir=args.tmp)
-    t_run = time.perf_counter()
-    clock = Clock(T0)
-    io = KVSwapIO(os.path.join(folder, "chunks"), KVKey(engine.fingerprint))
-    ex = Executor(engine, io)
-    pred = QueryPredictor(folder, engine.tok, ex, io.delete_context, io.key, cfg, embed=embedder.embed,
-                          clock=clock, power=lambda: None)
-    try:
-        col = pred.create_collection(APP, "documents")
-        for topic, text in rag_data.documents(user):  # one a second: the bank orders them by arrival
-            clock.t += 1.0
-            pred.add_document(APP, col, text, name=topic)
-        t_docs = clock.t
-        policy = pred.idle.policy
-        wait = max(cfg.idle_after_s, policy.abstract_quiet_s, policy.history_quiet_s) + 1.0
-        qs = rag_data.questions(user, which)[:args.limit or None]
-        label = f"{which} {user} {system}{' ' + setting if setting else ''}"
-        for i, q in enumerate(qs):
-            t_q = t_docs + (i + 1) * args.gap
-            if SYSTEMS[system]["predict"]:
-                idle(pred, clock, out, max(ex.last, t_docs) + wait, t_q)
-            clock.t = t_q
-            t = time.perf_counter()
-            ans = pred.query(APP, col, q["text"], {})
-            e2e = time.perf_counter() - t
-            ex.last = clock.t
-            out.queries.append(Query(q["id"], q["group"] or "", ans.level, e2e, ans.reused_tokens,
-                                     ans.retrieved_tokens, ans.prompt_tokens, ans.answer, dict(ans.latency),
-                                     list(ans.token_ids), ans.blended_tokens, ans.recomputed_tokens))
-            log(f"[{label}] {i + 1}/{len(qs)} {q['id']}: {ans.level}, {e2e:.2f} s ("
-                + ", ".join(f"{k} {v:.2f}" for k, v in ans.latency.items()) + f"), reused "
-                f"{ans.reused_tokens}/{ans.retrieved_tokens} tokens"
-                + (f", blended {ans.blended_tokens} ({ans.recomputed_tokens} recomputed)"
-                   if ans.blended_tokens else ""))
-        out.cache_bytes = pred.store.total_bytes()
-    finally:
-        pred.close()
-        shutil.rmtree(folder, ignore_errors=True)
-    out.wall_s = time.perf_counter() - t_run
-    return out
-
-
-def idle(pred, clock: Clock, out: Run, start: float, deadline: float) -> None:
-    """Idle time from `start` to `deadline` (virtual): prediction rounds while any is due, the clock
-    moving on by each round's model time."""
-    now, rounds = start, 0
-    while now < deadline and rounds < ROUNDS_PER_GAP:
-        clock.t = now
-        t = time.perf_counter()
-        done = pred.tick(now)
-        out.idle_tick_s += time.perf_counter() - t
-        if not done:
-            return
-        spent = sum(d["model_s"] for d in done)
-        out.idle_model_s += spent
-        out.rounds += len(done)
-        out.predicted += sum(len(d["questions"]) for d in done)
-        rounds += len(done)
-        now += max(1.0, spent)
 
 
 # ---- summaries -------------------------------------------------------------------------------------------
@@ -601,14 +501,15 @@ def main(argv=None) -> int:
     embedder.embed(["warm up"])
     systems = [NAIVE] + [s for s in args.systems if s != NAIVE] if NAIVE in args.systems else args.systems
     sets = ["main", "heldout"] if args.which == "both" else [args.which]
+    from bench.rag_session import run_group
+
     runs: list[Run] = []
     for which in sets:
         for user in args.users:
-            for system in systems:
-                runs.append(run_one(engine, embedder, user, which, system, args))
+            variants = [(system, "", {}) for system in systems]
             if args.sensitivity is not None and which == "main":
-                for setting, knobs in sensitivity_settings(args):
-                    runs.append(run_one(engine, embedder, user, which, OURS, args, setting, **knobs))
+                variants += [(OURS, setting, knobs) for setting, knobs in sensitivity_settings(args)]
+            runs += run_group(engine, embedder, user, which, variants, args)
     summary = summarise(runs, score)
     runtime = time.perf_counter() - t_start
     meta = {"command": "python -m bench.rag " + shlex.join(argv), "date": datetime.date.today().isoformat(),
