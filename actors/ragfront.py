@@ -159,10 +159,10 @@ class RagCache:
         lat["retrieve"] = time.perf_counter() - t
         path = [int(h.chunk) for h in hits]
         prompt = self.template.build([list(h.token_ids) for h in hits], question)
-        tree = self.uses_tree(background)
+        use_tree = self.uses_tree(background)
         with self._tree_lock:  # not held while the model runs: a real query never waits for idle work's
             # idle work populates exact nodes; only a real reply may take other paths' K/V
-            call, matched, donors = self._plan(app, adapter, path, prompt, decode, params, tree=tree,
+            call, matched, donors = self._plan(app, adapter, path, prompt, decode, params, use_tree=use_tree,
                                                blend=decode and not background and not predicted)
             call.background, call.deadline = background, deadline
         # a node evicted meanwhile fails to read and is recomputed (`actors.rag.stream_rag_call`)
@@ -170,7 +170,7 @@ class RagCache:
         reused_nodes = max(0, len(out.loaded) - 1)  # the head is loaded first
         with self._tree_lock:
             used = [d for d, b in zip(donors, call.blend) if b.key in out.blended]
-            if tree:
+            if use_tree:
                 self._update_tree(app, adapter, path[:len(matched)] if call.blend else path, prompt, out,
                                   matched[:reused_nodes] + used)
         lat.update(load=out.load_s, prefill=out.prefill_s, decode=out.decode_s, save=out.save_s)
@@ -203,8 +203,8 @@ class RagCache:
                 return False
         prompt = self.template.build([list(self.bank.chunk(app, chunk).token_ids)], ROOT_QUESTION)
         with self._tree_lock:
-            call, matched, _ = self._plan(app, adapter, [chunk], prompt, False, {"max_tokens": 1}, tree=True,
-                                          blend=False)
+            call, matched, _ = self._plan(app, adapter, [chunk], prompt, False, {"max_tokens": 1},
+                                          use_tree=True, blend=False)
             call.background = background
         out = self.run(call)
         with self._tree_lock:
@@ -252,9 +252,9 @@ class RagCache:
         idle work (`background`) only with `RagConfig.predict_tree`."""
         return self.config.kv_tree and (self.config.predict_tree or not background)
 
-    def _plan(self, app, adapter, path, prompt, decode, params, *, tree: bool,
+    def _plan(self, app, adapter, path, prompt, decode, params, *, use_tree: bool,
               blend: bool) -> tuple[RagCall, list, list]:
-        """The call: the head and the longest cached prefix of `path` to load, the rest to save (`tree`
+        """The call: the head and the longest cached prefix of `path` to load, the rest to save (`use_tree`
         off: neither, the whole prompt prefilled, nothing kept); with
         `blend` and `RagConfig.blend_ratio`, when every passage past the prefix has a node on another
         path, those nodes' K/V instead (and nothing saved), unless the same path was blended last time
@@ -262,7 +262,7 @@ class RagCache:
         key = self._key(app, adapter)
         spans = [NodeSpan(node_key(key, path[:i + 1]), a, b) for i, (a, b) in enumerate(prompt.spans)]
         head = NodeSpan(node_key(key, ()), 0, prompt.head)
-        if not tree:
+        if not use_tree:
             return RagCall(app, adapter, prompt.ids, [], [], params, decode), [], []
         tree = self.tree(app, adapter)
         cached_head = self._heads[(app, adapter)] > 0

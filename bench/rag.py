@@ -25,9 +25,10 @@ predicted from a passage decoded at once, PerCache's own rule, `RagConfig.answer
 Each (question set, user, system) runs in a fresh data directory: the user's documents go into one
 collection through the query predictor, then the user's questions are asked in their order, one every
 `--gap` seconds of a virtual clock (the benchmark never sleeps), the systems alternating question by
-question so that the host's drift over a run does not favour one (`bench.rag_session.run_group`). Where the system predicts, the
-predictor's `tick` runs between questions once the device counts as idle; its model-seconds are
-counted apart from the queries' latency, which is the wall time of `QueryPredictor.query`.
+question so that the host's drift over a run does not favour one (`bench.rag_session.run_group`).
+Where the system predicts, the predictor's `tick` runs between questions once the device counts as
+idle; its model-seconds are counted apart from the queries' latency, which is the wall time of
+`QueryPredictor.query`.
 
 Quality: ROUGE-L F1 of each answer against the Naive system's answer to the same question, and the
 paraphrase baseline, the mean ROUGE-L between Naive's own answers within a paraphrase group. Floors
@@ -471,7 +472,8 @@ def main(argv=None) -> int:
                     help="lookup decoding in every system, up to N guessed tokens a pass (EngineConfig.lookup_draft; "
                          f"default {Tuning().lookup_draft}, the service's; 0: off)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    ap.add_argument("--tmp", default=None, help="where the runs' data directories go, created if missing (default: the system's temp)")
+    ap.add_argument("--tmp", default=None,
+                    help="where the runs' data directories go, created if missing (default: the system's temp)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/rag"),
                     help="folder for queries.csv and summary.json (default docs/results/rag)")
     ap.add_argument("--write", type=Path, help="replace or add the RAG cache section of this markdown file")

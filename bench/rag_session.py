@@ -111,14 +111,17 @@ class Session:
         return self.run
 
 
-def run_group(engine, embedder, user: str, which: str, variants: list[tuple[str, str, dict]], args) -> list[Run]:
+def run_group(engine, embedder, user: str, which: str, variants: list[tuple[str, str, dict]], args, *,
+              session=None) -> list[Run]:
     """`user`'s `which` question set on each variant (`(system, setting, RagConfig overrides)`): every
     variant's documents ingested, then question by question on every variant, the variants' order
-    turned by one each question (none always first)."""
+    turned by one each question (none always first). `session`: what opens one variant's run
+    (`Session`'s signature; a test's stand-in)."""
+    session = session or Session
     sessions: list[Session] = []
     try:
         for system, setting, knobs in variants:
-            sessions.append(Session(engine, embedder, user, which, system, args, setting, **knobs))
+            sessions.append(session(engine, embedder, user, which, system, args, setting, **knobs))
         n = len(sessions[0].questions) if sessions else 0
         for i in range(n):
             for k in range(len(sessions)):

@@ -94,3 +94,24 @@ def test_sensitivity_sweeps_are_chosen_by_name():
     assert [s for s, _ in rag.sensitivity_settings(args)] == [f"tau_query={t}" for t in (0.6, 0.7, 0.8, 0.9, 0.95)]
     args.sensitivity = []  # named none: every sweep
     assert len(rag.sensitivity_settings(args)) == 4 + 5 + 3
+
+
+def test_a_groups_systems_alternate_question_by_question_and_every_run_closes():
+    from bench.rag_session import run_group
+
+    asked: list[tuple[str, int]] = []
+
+    class Stand:  # Session's interface: questions, ask(i), close()
+        def __init__(self, engine, embedder, user, which, system, args, setting="", **knobs):
+            self.system, self.questions = system, ["q0", "q1", "q2"]
+
+        def ask(self, i):
+            asked.append((self.system, i))
+
+        def close(self):
+            return Run("main", "u", self.system, "", [])
+
+    runs = run_group(None, None, "u", "main", [("A", "", {}), ("B", "", {}), ("C", "", {})], None, session=Stand)
+    assert [r.system for r in runs] == ["A", "B", "C"]
+    # every question on every system before the next question, the first system turned each time
+    assert asked == [("A", 0), ("B", 0), ("C", 0), ("B", 1), ("C", 1), ("A", 1), ("C", 2), ("A", 2), ("B", 2)]
