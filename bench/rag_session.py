@@ -53,7 +53,7 @@ class Session:
         from bench import rag_data
 
         t_run = time.perf_counter()
-        self.cfg = cfg = rag_config(args, system, **overrides)
+        cfg = rag_config(args, system, **overrides)
         self.run, self.gap = Run(which, user, system, setting, []), args.gap
         if args.tmp:
             os.makedirs(args.tmp, exist_ok=True)
@@ -72,6 +72,8 @@ class Session:
             self.close()
             raise
         self.t_docs = self.clock.t
+        policy = self.pred.idle.policy  # after a question, idle work may start this much later
+        self.wait = max(cfg.idle_after_s, policy.abstract_quiet_s, policy.history_quiet_s) + 1.0
         self.questions = rag_data.questions(user, which)[:args.limit or None]
         self.label = f"{which} {user} {system}{' ' + setting if setting else ''}"
         self.run.wall_s += time.perf_counter() - t_run
@@ -83,9 +85,7 @@ class Session:
         pred, clock, out, q = self.pred, self.clock, self.run, self.questions[i]
         t_q = self.t_docs + (i + 1) * self.gap
         if SYSTEMS[out.system]["predict"]:
-            policy = pred.idle.policy
-            wait = max(self.cfg.idle_after_s, policy.abstract_quiet_s, policy.history_quiet_s) + 1.0
-            idle(pred, clock, out, max(self.ex.last, self.t_docs) + wait, t_q)
+            idle(pred, clock, out, max(self.ex.last, self.t_docs) + self.wait, t_q)
         clock.t = t_q
         t = time.perf_counter()
         ans = pred.query(APP, self.col, q["text"], {})
