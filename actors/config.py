@@ -126,12 +126,15 @@ class RagConfig:
     """Model seconds the predictor may spend per app per day."""
     stride: int = 5
     """Queries predicted per round (PerCache's prediction stride)."""
-    passage_roots: bool = True
-    """Beyond PerCache: a knowledge round also prefills each of its passages alone after the prompt's
-    head, where no cached path starts with it (`actors.ragfront.RagCache.cache_passage`), so every
-    question whose best passage had its round reuses at least that passage's K/V (a predicted question
-    about a passage often retrieves another first). About 0.2 s of idle time and 6 MB a passage for
-    the default model. Off: the tree holds the predicted questions' paths only."""
+    passage_depth: int = 2
+    """Beyond PerCache: a knowledge round also prefills, for each of its passages, the path a question
+    about it most likely retrieves, where the tree lacks it (`actors.ragfront.RagCache.cache_passage`):
+    the passage right after the prompt's head, then the passages that a search with its own text ranks
+    next, this many passages in all. A question whose best passage had its round then reuses that
+    passage's K/V (a predicted question about a passage often retrieves another first), and its next
+    passage's too when that is the nearest one. 1: the passage alone; 0: off (the tree holds the
+    predicted questions' paths only). About 0.2 s of idle time and 6 MB a passage and level for the
+    default model; docs/benchmarks.md ("RAG cache") says what each level buys."""
     answers_after_coverage: bool = True
     """Beyond PerCache: with the K/V tree on, a question predicted from a passage is prefilled only, and
     answered (when the cache scheduler says decoding pays) once every passage has its question, so a
@@ -143,6 +146,8 @@ class RagConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.blend_ratio <= 1.0:
             raise ValueError(f"rag.blend_ratio must be within [0, 1], got {self.blend_ratio!r}")
+        if self.passage_depth < 0:
+            raise ValueError(f"rag.passage_depth must be >= 0, got {self.passage_depth!r}")
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ In idle time it predicts queries (PerCache §4.1.2) and runs them through the sa
 abstract (topics, names, terms) from the new passages and writes a question about each of them, `stride`
 passages a round in the order they arrived, until every passage has one; after a burst
 of user queries and a quiet period, it writes questions in their style. Each predicted question
-populates the K/V tree (each passage of a knowledge round is also prefilled alone where no cached path
-starts with it, `RagConfig.passage_roots`), and the QA bank with an answer when the cache scheduler
+populates the K/V tree (each passage of a knowledge round also heads a path of the passages nearest
+it, where the tree lacks that path, `RagConfig.passage_depth`), and the QA bank with an answer when the cache scheduler
 says decoding pays (`scheduler.ragcache.CacheScheduler.populate`; a question about a passage is
 prefilled only at first, `RagConfig.answers_after_coverage`). When no round is due it converts across levels (PerCache
 §4.3.3): it decodes stored questions that lack an answer, and once the K/V tree's cap has grown, it
@@ -285,8 +285,8 @@ class QueryPredictor:
                 questions, cursor, passages = (self._from_knowledge(app, col, work.stride) if work.kind == "knowledge"
                                                else (self._from_history(app, col, work.stride), None, []))
                 cfg = self.rag.config
-                for chunk in passages if cfg.passage_roots else []:
-                    if self.rag.cache_passage(app, chunk):
+                for chunk in passages:
+                    if self.rag.cache_passage(app, col, chunk):
                         out["roots"] = out.get("roots", 0) + 1
                 pop = self.scheduler.populate(cfg.tau_query, qa_bank=cfg.qa_bank,
                                               kv_tree=self.rag.uses_tree(background=True),

@@ -31,8 +31,8 @@ from scheduler.ragtree import KVTree, plan_tree_eviction
 from storage.ragstore import QAEntryNotFoundError
 
 ROOT_QUESTION = "What does this passage say?"
-"""The question after a passage prefilled alone (`RagCache.cache_passage`): the prompt needs one, and
-the K/V of what follows the passage is not kept."""
+"""The question after a passage's path prefilled in idle time (`RagCache.cache_passage`): the prompt
+needs one, and the K/V of what follows the path is not kept."""
 BLENDED_PATHS = 1024
 """Blended retrieval paths remembered (`RagCache._plan`), per service."""
 LEVELS = ("qa_bank", "kv_tree", "miss")
@@ -190,26 +190,39 @@ class RagCache:
             prompt_tokens=len(prompt.ids), latency=lat, blended_tokens=out.blended_tokens,
             recomputed_tokens=out.recomputed_tokens)
 
-    def cache_passage(self, app: str, chunk: int, *, adapter: str = "", background: bool = True) -> bool:
-        """Give passage `chunk` (an id of `app`'s) a root node, the K/V of it alone right after the
-        prompt's head, unless the tree has one: a question whose best passage it is then reuses at least
-        that node, whatever comes after it. Prefill only (the question after it is a placeholder, not
-        kept). Idle work: returns whether it prefilled (False where idle work does not populate the
-        tree, `uses_tree`)."""
-        if not self.uses_tree(background=True):
+    def cache_passage(self, app: str, collection: str, chunk: int, *, adapter: str = "",
+                      background: bool = True) -> bool:
+        """Prefill the path a question about passage `chunk` (an id of `app`'s `collection`) most likely
+        retrieves, unless the tree has it whole: the passage right after the prompt's head, then the
+        passages a search with its own text ranks next, `RagConfig.passage_depth` passages in all
+        (`passage_path`). A question whose best passage it is then reuses at least that passage's
+        node, and the next one's when that is its nearest passage. Prefill only (the question after
+        the path is a placeholder, not kept). Idle work: returns whether it prefilled (False where
+        idle work does not populate the tree, `uses_tree`, or `passage_depth` is 0)."""
+        if not self.uses_tree(background=True) or self.config.passage_depth < 1:
             return False
+        path = self.passage_path(app, collection, chunk)
         with self._tree_lock:
-            if self.tree(app, adapter).match([chunk]):
+            if len(self.tree(app, adapter).match(path)) == len(path):
                 return False
-        prompt = self.template.build([list(self.bank.chunk(app, chunk).token_ids)], ROOT_QUESTION)
+        prompt = self.template.build([list(self.bank.chunk(app, c).token_ids) for c in path], ROOT_QUESTION)
         with self._tree_lock:
-            call, matched, _ = self._plan(app, adapter, [chunk], prompt, False, {"max_tokens": 1},
+            call, matched, _ = self._plan(app, adapter, path, prompt, False, {"max_tokens": 1},
                                           use_tree=True, blend=False)
             call.background = background
         out = self.run(call)
         with self._tree_lock:
-            self._update_tree(app, adapter, [chunk], prompt, out, matched[:max(0, len(out.loaded) - 1)])
+            self._update_tree(app, adapter, path, prompt, out, matched[:max(0, len(out.loaded) - 1)])
         return True
+
+    def passage_path(self, app: str, collection: str, chunk: int) -> list[int]:
+        """Passage `chunk`, then the passages a search of `collection` with its text ranks highest
+        besides it: `RagConfig.passage_depth` ids in all (fewer in a smaller collection)."""
+        depth = self.config.passage_depth
+        if depth <= 1:
+            return [chunk]
+        hits = self.bank.search(app, collection, self.bank.chunk(app, chunk).text, depth)
+        return [chunk, *[int(h.chunk) for h in hits if int(h.chunk) != chunk][:depth - 1]]
 
     def _streamed(self, call: RagCall):
         """The model's call through `run_stream`: yields its text deltas, returns its `RagOutcome`."""

@@ -19,7 +19,8 @@ prediction: `RAGCache+MeanCache`).
 
 Run only when named (this project's variants, never a baseline): `PerCache-answers-at-once` (a question
 predicted from a passage decoded at once, PerCache's own rule, `RagConfig.answers_after_coverage` off),
-`PerCache-paths-only` (no passage prefilled alone, `RagConfig.passage_roots` off), `RAGCache+blend` and
+`PerCache-paths-only` (no passage's path prefilled, `RagConfig.passage_depth` 0), `PerCache-roots-only` (each
+passage prefilled alone, `passage_depth` 1), `RAGCache+blend` and
 `PerCache+blend` (passages cached after another prefix blended, `--blend-ratio`).
 
 Each (question set, user, system) runs in a fresh data directory: the user's documents go into one
@@ -72,7 +73,8 @@ SYSTEMS = {  # name -> RagConfig switches (qa_bank, kv_tree) and whether the pre
     # this project's variants (`extra`: run when named, never a baseline): PerCache's own population rule
     "PerCache-answers-at-once": dict(qa_bank=True, kv_tree=True, predict=True, answers_after_coverage=False,
                                      extra=True),
-    "PerCache-paths-only": dict(qa_bank=True, kv_tree=True, predict=True, passage_roots=False, extra=True),
+    "PerCache-paths-only": dict(qa_bank=True, kv_tree=True, predict=True, passage_depth=0, extra=True),
+    "PerCache-roots-only": dict(qa_bank=True, kv_tree=True, predict=True, passage_depth=1, extra=True),
     # beyond PerCache (CacheBlend): passages cached after another prefix, moved and partly recomputed
     "RAGCache+blend": dict(qa_bank=False, kv_tree=True, predict=False, blend=True, extra=True),
     "PerCache+blend": dict(qa_bank=True, kv_tree=True, predict=True, blend=True, extra=True),

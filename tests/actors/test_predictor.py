@@ -76,8 +76,11 @@ def test_it_predicts_only_when_idle_and_due_and_fills_both_levels(tmp_path, engi
     entries = p.store.qa_entries("app", col, "")
     assert {e.question for e in entries} == set(done["questions"]) and all(e.predicted for e in entries)
     assert all(e.answer is None for e in entries) and len(p.rag.tree("app")) >= 1
-    # every passage of the round heads a path of its own (passage_roots), whatever its question retrieved
-    assert all(p.rag.tree("app").match([c.id]) for c in p.bank.chunks_after("app", col, 0, 10))
+    # every passage of the round heads a path of the passages nearest it (passage_depth 2: it and the
+    # other one), whatever its question retrieved
+    ids = [c.id for c in p.bank.chunks_after("app", col, 0, 10)]
+    assert len(ids) == 2 and [p.rag.passage_path("app", col, c) for c in ids] == [ids, ids[::-1]]
+    assert all(len(p.rag.tree("app").match(p.rag.passage_path("app", col, c))) == 2 for c in ids)
     assert len([c for c in ex.calls if c.save or c.load]) == len(done["questions"]) + done.get("roots", 0)
     assert [c.decode for c in ex.calls[-len(entries):]] == [False] * len(entries)
     spent = p.idle.spent_today("app", clock.t + 90)
@@ -106,7 +109,7 @@ def first_round(tmp_path, engine, embedder, clock, **cfg):
 def test_percaches_own_rules_answer_at_once_and_cache_no_passage_alone(tmp_path, engine, embedder):
     clock = Clock()
     p, ex, col, done = first_round(tmp_path, engine, embedder, clock, answers_after_coverage=False,
-                                   passage_roots=False)
+                                   passage_depth=0)
     entries = p.store.qa_entries("app", col, "")
     assert done["kind"] == "knowledge" and {e.question for e in entries} == set(done["questions"])
     assert "roots" not in done and len([c for c in ex.calls if c.save or c.load]) == len(done["questions"])

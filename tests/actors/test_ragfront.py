@@ -86,18 +86,28 @@ def test_answers_from_cached_nodes_are_those_of_the_whole_prefill(tmp_path, engi
     assert all(c.save == [] for c in again.calls)
 
 
-def test_a_passage_cached_alone_is_reused_exactly_by_a_question_it_heads(tmp_path, engine, embedder, naive):
-    p = Parts(tmp_path, engine, embedder, qa_bank=False)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_passages_path_cached_in_idle_time_is_reused_exactly_by_a_question_it_heads(tmp_path, engine, embedder,
+                                                                                     naive, depth):
+    p = Parts(tmp_path, engine, embedder, qa_bank=False, passage_depth=depth)
     col, _ = p.add("app")
     q = QUESTIONS[0]
     first = naive[q].sources[0]["chunk"]
-    assert p.cache.cache_passage("app", first) and not p.cache.cache_passage("app", first)  # once
-    (root,) = p.cache.tree("app").match([first])
-    assert root.nbytes > 0 and not p.calls[-1].decode
+    path = p.cache.passage_path("app", col, first)
+    assert len(path) == depth and path[0] == first and len(set(path)) == depth
+    assert p.cache.cache_passage("app", col, first) and not p.cache.cache_passage("app", col, first)  # once
+    nodes = p.cache.tree("app").match(path)
+    assert len(nodes) == depth and all(n.nbytes > 0 for n in nodes) and not p.calls[-1].decode
     a = p.cache.query("app", col, q, max_tokens=12)
-    assert a.reused_chunks == 1 and a.level == "kv_tree" and a.token_ids == naive[q].token_ids
+    retrieved = [s["chunk"] for s in naive[q].sources]
+    shared = next((i for i, (x, y) in enumerate(zip(path, retrieved)) if x != y), min(len(path), len(retrieved)))
+    assert a.reused_chunks == shared >= 1 and a.level == "kv_tree" and a.token_ids == naive[q].token_ids
     off = Parts(tmp_path / "off", engine, embedder, kv_tree=False)
-    assert not off.cache.cache_passage("app", first) and off.calls == []
+    assert not off.cache.cache_passage("app", col, first) and off.calls == []
+    none = Parts(tmp_path / "none", engine, embedder, passage_depth=0)
+    assert not none.cache.cache_passage("app", col, first) and none.calls == []
+    with pytest.raises(ValueError, match="passage_depth"):
+        RagConfig(passage_depth=-1)
 
 
 def test_blending_takes_other_paths_nodes_and_with_everything_recomputed_answers_as_the_whole_prefill(
