@@ -205,8 +205,10 @@ class QueryPredictor:
     # ---- idle work (PerCache §4.1.2) -----------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[dict]:
         """One round of query prediction for each app that is due and may work now; what each round
-        did (`app`, `kind`, `collection`, `questions`, `model_s`, and `preempted` when a real call
-        took the executor back midway: the round is left pending). Cheap when nothing is due."""
+        did (`app`, `kind`, `collection`, `questions`, `model_s`; `passage_paths`: how many passages'
+        paths a knowledge round prefilled; `prefilled`: the questions a conversion prefilled again; and
+        `preempted` when a real call took the executor back midway: the round is left pending). Cheap
+        when nothing is due."""
         now = self.clock() if now is None else now
         with self._lock:  # not held while the model runs: a real query's bookkeeping never waits for it
             self.idle.calls_seen(*self.executor.activity())
@@ -217,7 +219,8 @@ class QueryPredictor:
             done.append(self._round(app, work, now) if work is not None else self._convert(app, now))
             if done[-1].get("preempted"):
                 break
-        return [d for d in done if d["questions"] or d.get("prefilled") or d.get("roots") or d.get("preempted")]
+        return [d for d in done
+                if d["questions"] or d.get("prefilled") or d.get("passage_paths") or d.get("preempted")]
 
     def _convert(self, app: str, now: float) -> dict:
         """Cross-layer conversion (PerCache §4.3.3), up to `stride` questions of each kind: decode stored
@@ -287,7 +290,7 @@ class QueryPredictor:
                 cfg = self.rag.config
                 for chunk in passages:
                     if self.rag.cache_passage(app, col, chunk):
-                        out["roots"] = out.get("roots", 0) + 1
+                        out["passage_paths"] = out.get("passage_paths", 0) + 1
                 pop = self.scheduler.populate(cfg.tau_query, qa_bank=cfg.qa_bank,
                                               kv_tree=self.rag.uses_tree(background=True),
                                               from_passages=work.kind == "knowledge")

@@ -81,7 +81,8 @@ def test_it_predicts_only_when_idle_and_due_and_fills_both_levels(tmp_path, engi
     ids = [c.id for c in p.bank.chunks_after("app", col, 0, 10)]
     assert len(ids) == 2 and [p.rag.passage_path("app", col, c) for c in ids] == [ids, ids[::-1]]
     assert all(len(p.rag.tree("app").match(p.rag.passage_path("app", col, c))) == 2 for c in ids)
-    assert len([c for c in ex.calls if c.save or c.load]) == len(done["questions"]) + done.get("roots", 0)
+    queries = [c for c in ex.calls if c.save or c.load]
+    assert len(queries) == len(done["questions"]) + done.get("passage_paths", 0)
     assert [c.decode for c in ex.calls[-len(entries):]] == [False] * len(entries)
     spent = p.idle.spent_today("app", clock.t + 90)
     assert spent > 0
@@ -112,7 +113,8 @@ def test_percaches_own_rules_answer_at_once_and_cache_no_passage_alone(tmp_path,
                                    passage_depth=0)
     entries = p.store.qa_entries("app", col, "")
     assert done["kind"] == "knowledge" and {e.question for e in entries} == set(done["questions"])
-    assert "roots" not in done and len([c for c in ex.calls if c.save or c.load]) == len(done["questions"])
+    assert "passage_paths" not in done
+    assert len([c for c in ex.calls if c.save or c.load]) == len(done["questions"])
     assert entries and all(e.answer for e in entries) and p.tick(clock.t + 110) == []
 
 
@@ -128,7 +130,7 @@ def test_without_predicted_tree_idle_work_answers_into_the_qa_bank_only(tmp_path
     clock = Clock()
     p, ex, col, done = first_round(tmp_path, engine, embedder, clock, predict_tree=False)
     entries = p.store.qa_entries("app", col, "")
-    assert done["questions"] and "roots" not in done and len(p.rag.tree("app")) == 0
+    assert done["questions"] and "passage_paths" not in done and len(p.rag.tree("app")) == 0
     assert not any(c.save or c.load for c in ex.calls)  # nothing loaded from or saved to the tree
     assert {e.question for e in entries} == set(done["questions"]) and all(e.answer for e in entries)
     clock.t += 200
