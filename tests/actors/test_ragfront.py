@@ -101,7 +101,8 @@ def test_a_passages_path_cached_in_idle_time_is_reused_exactly_by_a_question_it_
     a = p.cache.query("app", col, q, max_tokens=12)
     retrieved = [s["chunk"] for s in naive[q].sources]
     shared = next((i for i, (x, y) in enumerate(zip(path, retrieved)) if x != y), min(len(path), len(retrieved)))
-    assert a.reused_chunks == shared >= 1 and a.level == "kv_tree" and a.token_ids == naive[q].token_ids
+    assert shared == depth  # the question retrieves the passage's nearest next: every cached node counts
+    assert a.reused_chunks == shared and a.level == "kv_tree" and a.token_ids == naive[q].token_ids
     off = Parts(tmp_path / "off", engine, embedder, kv_tree=False)
     assert not off.cache.cache_passage("app", col, first) and off.calls == []
     none = Parts(tmp_path / "none", engine, embedder, passage_depth=0)
