@@ -28,7 +28,8 @@ collection through the query predictor, then the user's questions are asked in t
 `--gap` seconds of a virtual clock (the benchmark never sleeps), the systems alternating question by
 question so that the host's drift over a run does not favour one (`bench.rag_session.run_group`).
 Where the system predicts, the predictor's `tick` runs between questions once the device counts as
-idle; its model-seconds are counted apart from the queries' latency, which is the wall time of
+idle, round after round while any is due, the gap lasts and the day's budget allows (`--rounds-per-gap`
+caps the rounds); its model-seconds are counted apart from the queries' latency, which is the wall time of
 `QueryPredictor.query`.
 
 Quality: ROUGE-L F1 of each answer against the Naive system's answer to the same question, and the
@@ -92,8 +93,6 @@ ROUGE_FLOOR = 0.9
 """QA-served answers' mean ROUGE-L against the paraphrase baseline."""
 T0 = 20000 * 86400.0
 """Virtual start, a UTC midnight: a run's idle budget is one day's."""
-ROUNDS_PER_GAP = 4
-"""Most prediction rounds between two questions."""
 STRIDES = (1, 2, 3, 4, 5)
 TAUS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
 SWEEPS = ("stride", "tau_query", "tree_cap")
@@ -348,13 +347,17 @@ def table(per: dict[str, dict], first: str = "system") -> list[str]:
     return lines
 
 
+def rounds_text(most: int) -> str:
+    return f"at most {most} prediction rounds" if most else "prediction rounds while any is due"
+
+
 def markdown(summary: dict, meta: dict) -> str:
     verdict = {True: "PASS", False: "FAIL", None: "n/a"}
     lines = [f"Command: `{meta['command']}`. Date: {meta['date']}. Machine: {meta['machine']}. "
              f"Run took {meta['runtime_s'] / 60:.1f} min.", "",
              f"Users {', '.join(meta['users'])}; k {meta['k']}, max_tokens {meta['max_tokens']}, tau_query "
              f"{meta['tau_query']}, stride {meta['stride']}, a question every {meta['gap_s']:g} virtual s, idle after "
-             f"{meta['idle_after_s']:g} s, idle budget {meta['budget_s']:g} model-s per day, K/V tree cap "
+             f"{meta['idle_after_s']:g} s, {rounds_text(meta.get('rounds_per_gap', 0))} between questions, idle budget {meta['budget_s']:g} model-s per day, K/V tree cap "
              f"{meta['tree_cap_mib']} MiB per user; greedy decoding"
              + (f" with lookup decoding (up to {meta['lookup_draft']} guessed tokens a pass)" if meta.get("lookup_draft")
                 else "") + ". Latency: "
@@ -458,6 +461,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tau-query", type=float, default=0.85, help="QA bank similarity threshold (default 0.85)")
     ap.add_argument("--stride", type=int, default=5, help="queries predicted per round (default 5)")
     ap.add_argument("--gap", type=float, default=600.0, help="virtual seconds between questions (default 600)")
+    ap.add_argument("--rounds-per-gap", type=int, default=0, metavar="N",
+                    help="most prediction rounds between two questions; 0: as many as are due within the gap "
+                         "and the day's budget (default 0)")
     ap.add_argument("--idle-after", type=float, default=120.0,
                     help="seconds without a real call before the predictor works (default 120)")
     ap.add_argument("--budget", type=float, default=600.0, help="predictor model-seconds per user per day (default 600)")
@@ -486,6 +492,8 @@ def main(argv=None) -> int:
         ap.error("--tree-cap-mib must be at least 0")
     if not 0 <= args.blend_ratio <= 1:
         ap.error("--blend-ratio must be within [0, 1]")
+    if args.rounds_per_gap < 0:
+        ap.error("--rounds-per-gap must be at least 0")
     if args.gap <= 0 or args.limit < 0 or args.k < 1 or args.max_tokens < 1 or args.stride < 1 or args.lookup_draft < 0:
         ap.error("--gap, --k, --max-tokens and --stride must be positive, --limit and --lookup-draft at least 0")
     if args.sensitivity is not None and OURS not in args.systems:
@@ -521,7 +529,7 @@ def main(argv=None) -> int:
             "tau_query": args.tau_query, "stride": args.stride, "gap_s": args.gap, "idle_after_s": args.idle_after,
             "budget_s": args.budget, "tree_cap_mib": rag_config(args, NAIVE).tree_cap_bytes >> 20, "limit": args.limit,
             "rouge": rouge_name, "fingerprint": engine.fingerprint, "blend_ratio": args.blend_ratio,
-            "lookup_draft": args.lookup_draft}
+            "lookup_draft": args.lookup_draft, "rounds_per_gap": args.rounds_per_gap}
     write_results(runs, summary, meta, args.out)
     log(f"bench.rag: wrote {args.out / 'queries.csv'} and {args.out / 'summary.json'}")
     if args.plot:

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import time
 
-from bench.rag import APP, ROUNDS_PER_GAP, SYSTEMS, T0, Query, Run, log, rag_config
+from bench.rag import APP, SYSTEMS, T0, Query, Run, log, rag_config
 
 
 class Clock:
@@ -54,7 +54,7 @@ class Session:
 
         t_run = time.perf_counter()
         cfg = rag_config(args, system, **overrides)
-        self.run, self.gap = Run(which, user, system, setting, []), args.gap
+        self.run, self.gap, self.rounds = Run(which, user, system, setting, []), args.gap, args.rounds_per_gap
         if args.tmp:
             os.makedirs(args.tmp, exist_ok=True)
         self.folder = tempfile.mkdtemp(prefix="rag-bench-", dir=args.tmp)
@@ -85,7 +85,7 @@ class Session:
         pred, clock, out, q = self.pred, self.clock, self.run, self.questions[i]
         t_q = self.t_docs + (i + 1) * self.gap
         if SYSTEMS[out.system]["predict"]:
-            idle(pred, clock, out, max(self.ex.last, self.t_docs) + self.wait, t_q)
+            idle(pred, clock, out, max(self.ex.last, self.t_docs) + self.wait, t_q, self.rounds)
         clock.t = t_q
         t = time.perf_counter()
         ans = pred.query(APP, self.col, q["text"], {})
@@ -131,11 +131,12 @@ def run_group(engine, embedder, user: str, which: str, variants: list[tuple[str,
     return runs
 
 
-def idle(pred, clock: Clock, out: Run, start: float, deadline: float) -> None:
-    """Idle time from `start` to `deadline` (virtual): prediction rounds while any is due, the clock
-    moving on by each round's model time."""
+def idle(pred, clock: Clock, out: Run, start: float, deadline: float, most: int = 0) -> None:
+    """Idle time from `start` to `deadline` (virtual): prediction rounds while any is due (at most
+    `most` of them; 0: no cap but the deadline and the predictor's budget), the clock moving on by
+    each round's model time."""
     now, rounds = start, 0
-    while now < deadline and rounds < ROUNDS_PER_GAP:
+    while now < deadline and (not most or rounds < most):
         clock.t = now
         t = time.perf_counter()
         done = pred.tick(now)

@@ -115,3 +115,27 @@ def test_a_groups_systems_alternate_question_by_question_and_every_run_closes():
     assert [r.system for r in runs] == ["A", "B", "C"]
     # every question on every system before the next question, the first system turned each time
     assert asked == [("A", 0), ("B", 0), ("C", 0), ("B", 1), ("C", 1), ("A", 1), ("C", 2), ("A", 2), ("B", 2)]
+
+
+@pytest.mark.parametrize("most, rounds", [(4, 4), (0, 6)])
+def test_idle_time_runs_rounds_while_due_up_to_the_cap_and_the_deadline(most, rounds):
+    from bench.rag_session import Clock, idle
+
+    class Predictor:  # tick's interface: the rounds done at `now`; 10 model-s each, 6 due in all
+        def __init__(self):
+            self.ticks: list[float] = []
+
+        def tick(self, now):
+            self.ticks.append(now)
+            if len(self.ticks) > 6:
+                return []
+            return [{"model_s": 10.0, "questions": ["q"] * 5}]
+
+    pred, out = Predictor(), Run("main", "u", rag.OURS, "", [])
+    idle(pred, Clock(0.0), out, 100.0, 1000.0, most)
+    assert out.rounds == rounds and out.idle_model_s == 10.0 * rounds and out.predicted == 5 * rounds
+    assert pred.ticks[:rounds] == [100.0 + 10.0 * i for i in range(rounds)]  # the clock moves by model time
+    # the deadline ends idle time whatever is still due
+    pred, out = Predictor(), Run("main", "u", rag.OURS, "", [])
+    idle(pred, Clock(0.0), out, 100.0, 125.0, most)
+    assert out.rounds == 3 and pred.ticks == [100.0, 110.0, 120.0]
