@@ -95,8 +95,10 @@ T0 = 20000 * 86400.0
 """Virtual start, a UTC midnight: a run's idle budget is one day's."""
 STRIDES = (1, 2, 3, 4, 5)
 TAUS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
-SWEEPS = ("stride", "tau_query", "tree_cap")
-"""PerCache's sensitivity sweeps (Fig. 17-19), as `--sensitivity` names them."""
+ROUNDS = (0, 1, 4)
+SWEEPS = ("stride", "tau_query", "tree_cap", "rounds_per_gap")
+"""PerCache's sensitivity sweeps (Fig. 17-19) and this benchmark's idle rounds between questions, as
+`--sensitivity` names them."""
 
 
 def log(msg: str) -> None:
@@ -357,7 +359,8 @@ def markdown(summary: dict, meta: dict) -> str:
              f"Run took {meta['runtime_s'] / 60:.1f} min.", "",
              f"Users {', '.join(meta['users'])}; k {meta['k']}, max_tokens {meta['max_tokens']}, tau_query "
              f"{meta['tau_query']}, stride {meta['stride']}, a question every {meta['gap_s']:g} virtual s, idle after "
-             f"{meta['idle_after_s']:g} s, {rounds_text(meta.get('rounds_per_gap', 0))} between questions, idle budget {meta['budget_s']:g} model-s per day, K/V tree cap "
+             f"{meta['idle_after_s']:g} s, {rounds_text(meta.get('rounds_per_gap', 0))} between questions, "
+             f"idle budget {meta['budget_s']:g} model-s per day, K/V tree cap "
              f"{meta['tree_cap_mib']} MiB per user; greedy decoding"
              + (f" with lookup decoding (up to {meta['lookup_draft']} guessed tokens a pass)" if meta.get("lookup_draft")
                 else "") + ". Latency: "
@@ -430,11 +433,15 @@ def machine() -> str:
 
 def sensitivity_settings(args) -> list[tuple[str, dict]]:
     """PerCache's sensitivity sweeps (Fig. 17-19): stride, tau_query, and the K/V tree's cap (QA
-    entries are a few KiB each and keep their default cap). The default knobs' point is the main run."""
+    entries are a few KiB each and keep their default cap); and the most idle rounds between two
+    questions (a knob of this benchmark, not of the cache: `bench.rag_session.Session` takes it). The
+    default knobs' point is the main run."""
     sweeps = args.sensitivity or SWEEPS
     out = [(f"stride={s}", {"stride": s}) for s in STRIDES if s != args.stride and "stride" in sweeps]
     out += [(f"tau_query={t}", {"tau_query": t}) for t in TAUS if t != args.tau_query and "tau_query" in sweeps]
     out += [(f"tree_cap={c}MiB", {"tree_cap_bytes": c << 20}) for c in args.caps_mib if "tree_cap" in sweeps]
+    out += [(f"rounds_per_gap={n}", {"rounds_per_gap": n}) for n in ROUNDS
+            if n != args.rounds_per_gap and "rounds_per_gap" in sweeps]
     return out
 
 
@@ -471,7 +478,8 @@ def main(argv=None) -> int:
                     help="K/V tree cap per user, MiB (default 0: RagConfig.tree_cap_bytes)")
     ap.add_argument("--limit", type=int, default=0, help="first N questions per user (default 0: all)")
     ap.add_argument("--sensitivity", nargs="*", choices=SWEEPS, metavar="SWEEP",
-                    help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95 and K/V tree cap (--caps-mib), on "
+                    help="also sweep PerCache's stride 1..5, tau_query 0.6..0.95, K/V tree cap (--caps-mib) and the "
+                         "idle rounds between questions (0, 1, 4), on "
                          "the main set; name some of " + ", ".join(SWEEPS) + " to run only those (each setting is a "
                          "PerCache run with its idle work: about 10 min on a 2-core VM)")
     ap.add_argument("--caps-mib", type=int, nargs=3, default=[128, 512, 2048],

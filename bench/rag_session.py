@@ -46,15 +46,17 @@ class Session:
 
     def __init__(self, engine, embedder, user: str, which: str, system: str, args, setting: str = "",
                  **overrides) -> None:
-        """Ingest `user`'s documents into a fresh data directory."""
+        """Ingest `user`'s documents into a fresh data directory. `overrides`: RagConfig's knobs, and
+        `rounds_per_gap` (the most idle rounds between two questions; `args.rounds_per_gap` without it)."""
         from actors.messages import KVKey
         from actors.predictor import QueryPredictor
         from actors.swapio import KVSwapIO
         from bench import rag_data
 
         t_run = time.perf_counter()
+        self.rounds = overrides.pop("rounds_per_gap", args.rounds_per_gap)  # the bench's knob, not the cache's
         cfg = rag_config(args, system, **overrides)
-        self.run, self.gap, self.rounds = Run(which, user, system, setting, []), args.gap, args.rounds_per_gap
+        self.run, self.gap = Run(which, user, system, setting, []), args.gap
         if args.tmp:
             os.makedirs(args.tmp, exist_ok=True)
         self.folder = tempfile.mkdtemp(prefix="rag-bench-", dir=args.tmp)

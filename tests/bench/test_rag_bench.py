@@ -90,10 +90,14 @@ def test_the_section_has_every_system_floor_and_setting_and_fits_its_markers():
 def test_sensitivity_sweeps_are_chosen_by_name():
     import argparse
 
-    args = argparse.Namespace(stride=5, tau_query=0.85, caps_mib=[128, 512, 2048], sensitivity=["tau_query"])
+    args = argparse.Namespace(stride=5, tau_query=0.85, caps_mib=[128, 512, 2048], sensitivity=["tau_query"],
+                              rounds_per_gap=0)
     assert [s for s, _ in rag.sensitivity_settings(args)] == [f"tau_query={t}" for t in (0.6, 0.7, 0.8, 0.9, 0.95)]
     args.sensitivity = []  # named none: every sweep
-    assert len(rag.sensitivity_settings(args)) == 4 + 5 + 3
+    assert len(rag.sensitivity_settings(args)) == 4 + 5 + 3 + 2
+    args.sensitivity = ["rounds_per_gap"]
+    assert rag.sensitivity_settings(args) == [("rounds_per_gap=1", {"rounds_per_gap": 1}),
+                                              ("rounds_per_gap=4", {"rounds_per_gap": 4})]
 
 
 def test_a_groups_systems_alternate_question_by_question_and_every_run_closes():
