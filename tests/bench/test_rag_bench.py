@@ -139,6 +139,7 @@ def test_idle_time_runs_rounds_while_due_up_to_the_cap_and_the_deadline(most, ro
     idle(pred, Clock(0.0), out, 100.0, 1000.0, most)
     assert out.rounds == rounds and out.idle_model_s == 10.0 * rounds and out.predicted == 5 * rounds
     assert pred.ticks[:rounds] == [100.0 + 10.0 * i for i in range(rounds)]  # the clock moves by model time
+    assert len(pred.ticks) == (rounds if most else rounds + 1)  # a cap stops ticking; no cap asks until none is due
     # the deadline ends idle time whatever is still due
     pred, out = Predictor(), Run("main", "u", rag.OURS, "", [])
     idle(pred, Clock(0.0), out, 100.0, 125.0, most)
